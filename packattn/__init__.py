@@ -1,0 +1,10 @@
+"""packattn: attention for packed sequences (varlen, padding, chunks, windows, GQA) with one front-end."""
+
+from packattn.api import DotProductAttention, attention
+from packattn.dispatch import NoBackendError
+from packattn.mask import Mask
+from packattn.varlen import Varlen
+
+__version__ = "0.1.0"
+
+__all__ = ["DotProductAttention", "Mask", "NoBackendError", "Varlen", "attention", "__version__"]

@@ -1,0 +1,68 @@
+"""What every backend gets (a `Problem`) and what it must say about itself (a `Backend`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from packattn.mask import Mask
+from packattn.varlen import Varlen
+
+
+@dataclass
+class Problem:
+    """One attention call, normalised to THD: ``q (total_q, heads_q, d)``, ``k, v (total_kv, heads_kv, d)``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seqs: Varlen  # on q's device
+    mask: Mask
+    scale: float
+    return_lse: bool
+    deterministic: bool
+    # (batch, seqlen_q, seqlen_kv) when the caller passed a dense layout (bshd/sbhd), else None
+    dense: tuple[int, int, int] | None = None
+
+
+class Backend:
+    """A way to compute attention. Subclasses state what they support in `unsupported` (one place)."""
+
+    name: str = "?"
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run in this process at all (missing module...), or None."""
+        return None
+
+    def unsupported(self, params) -> str | None:
+        """Why this backend cannot run a call with these `dispatch.Params`, or None if it can."""
+        raise NotImplementedError
+
+    def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(out, lse)``; ``lse`` float32 ``(heads_q, total_q)`` or None when not asked for."""
+        raise NotImplementedError
+
+
+def padding_row_mask(seqs: Varlen) -> torch.Tensor:
+    """Boolean (total_q,) True for query rows that belong to a sequence (cached per batch)."""
+    return seqs.cached("valid_rows_q", lambda: seqs.row_map_q()[0] >= 0)
+
+
+def zero_padding_rows(out: torch.Tensor, lse: torch.Tensor | None, seqs: Varlen):
+    """Exact zeros in the output (and -inf in lse) for rows that belong to no sequence.
+
+    Gradients through it are exact zeros for those rows too.
+    """
+    if not seqs.pad_between_seqs:
+        return out, lse
+    valid = padding_row_mask(seqs)
+    out = torch.where(valid[:, None, None], out, out.new_zeros(()))
+    if lse is not None:
+        lse = torch.where(valid[None, :], lse, lse.new_full((), float("-inf")))
+    return out, lse
+
+
+def empty_rows_lse(lse: torch.Tensor) -> torch.Tensor:
+    """Kernels that report +inf (flash-attn) or NaN for rows with no visible key: make it -inf."""
+    return torch.where(torch.isfinite(lse), lse, lse.new_full((), float("-inf")))

@@ -1,0 +1,129 @@
+"""FlexAttention backend (CUDA) with a BlockMask built from the descriptor in O(number of blocks).
+
+The packed batch is one long sequence to FlexAttention. Every query row sees one contiguous
+interval of physical key rows (its own sequence's keys cut by the mask rules, see
+`packattn.mask.key_range`), so the mask_mod is an interval test, and per query block the
+union / intersection of its rows' intervals give the partial / full key blocks directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from packattn import mask as masks
+from packattn.backends.base import Backend, Problem, empty_rows_lse, zero_padding_rows
+from packattn.varlen import Varlen
+
+try:
+    from torch.nn.attention import flex_attention as _flex
+
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - old torch
+    _flex, _IMPORT_ERROR = None, e
+
+BLOCK_SIZE = 128
+_BIG = 2**30
+_compiled = None
+
+
+def _compiled_flex():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_flex.flex_attention, dynamic=False)
+    return _compiled
+
+
+class FlexBackend(Backend):
+    name = "flex"
+
+    def unavailable(self) -> str | None:
+        if _flex is None:
+            return f"torch {torch.__version__} has no FlexAttention ({_IMPORT_ERROR})"
+        if not torch.cuda.is_available():
+            return "needs CUDA (FlexAttention on CPU evaluates masks densely)"
+        return None
+
+    def unsupported(self, params) -> str | None:
+        if params.device_type != "cuda":
+            return f"needs CUDA tensors, got {params.device_type}"
+        if params.kind == "tree":
+            return "tree BlockMasks are built by the tree backend"
+        if params.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {params.dtype} not supported"
+        if params.head_dim != params.head_dim_v or params.head_dim not in (16, 32, 64, 128, 256):
+            return f"head dims {params.head_dim}/{params.head_dim_v}: needs equal q/v head dims in 16, 32, 64, 128, 256"
+        if params.deterministic:
+            return "FlexAttention's backward is not guaranteed deterministic"
+        return None
+
+    def run(self, problem: Problem):
+        seqs = problem.seqs
+        block_mask = seqs.cached(("flex_block_mask", problem.mask, BLOCK_SIZE), lambda: build_block_mask(seqs, problem.mask))
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (problem.q, problem.k, problem.v))
+        kwargs = {"block_mask": block_mask, "scale": problem.scale, "enable_gqa": q.shape[1] != k.shape[1]}
+        params = inspect.signature(_flex.flex_attention).parameters
+        lse = None
+        if problem.return_lse and "return_aux" in params:
+            out, aux = _compiled_flex()(q, k, v, return_aux=_flex.AuxRequest(lse=True), **kwargs)
+            lse = aux.lse
+        elif problem.return_lse:
+            out, lse = _compiled_flex()(q, k, v, return_lse=True, **kwargs)
+        else:
+            out = _compiled_flex()(q, k, v, **kwargs)
+        out = out[0].transpose(0, 1)
+        if lse is not None:
+            lse = empty_rows_lse(lse[0].float())
+        return zero_padding_rows(out, lse, seqs)
+
+
+def row_key_intervals(seqs: Varlen, mask: masks.Mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every physical query row, its visible physical key rows ``[lo, hi)`` (empty: lo == hi == 0)."""
+    seq, pos = seqs.row_map_q()
+    valid = seq >= 0
+    d = seq.clamp_min(0)
+    if seqs.num_seqs == 0:
+        zero = torch.zeros_like(pos)
+        return zero, zero
+    len_q, len_kv = seqs.seqlens_q.long()[d], seqs.seqlens_kv.long()[d]
+    aligned = pos + masks.offset(mask, len_q, len_kv)
+    lo, hi = masks.key_range(mask, aligned, len_kv)
+    nonempty = valid & (lo < hi)
+    start = seqs.starts_kv.long()[d]
+    lo = torch.where(nonempty, start + lo, torch.zeros_like(lo))
+    hi = torch.where(nonempty, start + hi, torch.zeros_like(hi))
+    return lo, hi
+
+
+def build_block_mask(seqs: Varlen, mask: masks.Mask, block: int = BLOCK_SIZE):
+    lo, hi = row_key_intervals(seqs, mask)
+    tq, tk = seqs.total_q, seqs.total_kv
+    nq, nk = -(-tq // block), -(-tk // block)
+    empty = lo >= hi
+    pad = nq * block - tq
+    lo_e = torch.nn.functional.pad(torch.where(empty, _BIG, lo), (0, pad), value=_BIG).view(nq, block)
+    hi_e = torch.nn.functional.pad(torch.where(empty, -_BIG, hi), (0, pad), value=-_BIG).view(nq, block)
+    any_lo, any_hi = lo_e.amin(1, keepdim=True), hi_e.amax(1, keepdim=True)
+    full_lo, full_hi = lo_e.amax(1, keepdim=True), hi_e.amin(1, keepdim=True)
+    kb_start = torch.arange(nk, device=lo.device)[None, :] * block
+    kb_end = kb_start + block
+    touched = (kb_start < any_hi) & (kb_end > any_lo)
+    full = (kb_start >= full_lo) & (kb_end <= full_hi)
+    partial = touched & ~full
+
+    def lists(sel):
+        num = sel.sum(1, dtype=torch.int32)
+        idx = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        return num[None, None], idx[None, None]
+
+    kv_num, kv_idx = lists(partial)
+    full_num, full_idx = lists(full)
+    row_lo, row_hi = lo.to(torch.int32), hi.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= row_lo[q_idx]) & (kv_idx < row_hi[q_idx])
+
+    return _flex.BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(tq, tk)
+    )

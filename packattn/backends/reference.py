@@ -1,0 +1,106 @@
+"""Reference backend: plain PyTorch, any device, autograd, float32 (or float64) math.
+
+It is the executable spec of the semantics in `packattn.mask`. Sequences are gathered into a
+padded ``(batch, len, heads, dim)`` layout in groups, and queries processed in chunks, so the
+score matrices in flight stay under a fixed element budget; with gradients on, each chunk is
+recomputed in backward (activation checkpointing), so memory does not grow with total^2.
+Everything is device ops with host-known sizes: no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from packattn import mask as masks
+from packattn.backends.base import Backend, Problem
+
+SCORE_BUDGET = 2**25  # score elements per chunk
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def unsupported(self, params) -> str | None:
+        if params.kind == "tree":
+            return "tree descriptors are not handled by the reference backend yet"
+        return None
+
+    def run(self, problem: Problem):
+        return reference_attention(problem)
+
+
+def _chunk(q, k, v, seq_len_q, seq_len_kv, q_pos, mask, scale, compute_dtype):
+    """Attention for a padded block: q (B, cq, Hq, D), k/v (B, Lk, Hk, D) -> out (B, cq, Hq, Dv), lse (B, Hq, cq)."""
+    B, cq, Hq, D = q.shape
+    Lk, Hk = k.shape[1], k.shape[2]
+    g = Hq // Hk
+    qf = q.to(compute_dtype).view(B, cq, Hk, g, D)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.to(compute_dtype)) * scale
+    k_pos = torch.arange(Lk, device=q.device)
+    vis = masks.visible(mask, q_pos[None, :, None], k_pos[None, None, :], seq_len_q[:, None, None], seq_len_kv[:, None, None])
+    s = s.masked_fill(~vis[:, None, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe)
+    l = p.sum(dim=-1, keepdim=True)
+    empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p / l_safe, v.to(compute_dtype))
+    lse = torch.where(empty, torch.full_like(l, float("-inf")), m_safe + torch.log(l_safe))
+    return o.reshape(B, cq, Hq, v.shape[-1]), lse.reshape(B, Hq, cq)
+
+
+def reference_attention(problem: Problem, score_budget: int = SCORE_BUDGET):
+    q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    total_q, Hq, Dv = q.shape[0], q.shape[1], v.shape[-1]
+    N, Lq, Lk = seqs.num_seqs, seqs.max_seqlen_q, seqs.max_seqlen_kv
+    if N == 0 or Lq == 0 or Lk == 0 or total_q == 0:
+        # nothing is visible anywhere; keep the result attached to the graph (zero gradients)
+        tie = (q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()).to(q.dtype)
+        out = q.new_zeros(total_q, Hq, Dv) + tie
+        lse = torch.full((Hq, total_q), float("-inf"), device=q.device, dtype=torch.float32)
+        return out, (lse if problem.return_lse else None)
+
+    starts_q, starts_kv = seqs.starts_q.long(), seqs.starts_kv.long()
+    len_q, len_kv = seqs.seqlens_q.long(), seqs.seqlens_kv.long()
+    cq = max(1, min(Lq, score_budget // (Lk * Hq)))
+    group = max(1, score_budget // (cq * Lk * Hq))
+    k_idx = torch.arange(Lk, device=q.device)
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+    out_groups, lse_groups = [], []
+    for s0 in range(0, N, group):
+        s1 = min(N, s0 + group)
+        lq, lk = len_q[s0:s1], len_kv[s0:s1]
+        k_rows = starts_kv[s0:s1, None] + k_idx[None, :]
+        k_ok = (k_idx[None, :] < lk[:, None])[..., None, None]
+        k_rows = k_rows.clamp(max=max(problem.k.shape[0] - 1, 0))
+        kb = torch.where(k_ok, k[k_rows], k.new_zeros(()))
+        vb = torch.where(k_ok, v[k_rows], v.new_zeros(()))
+        outs, lses = [], []
+        for c0 in range(0, Lq, cq):
+            q_pos = torch.arange(c0, min(Lq, c0 + cq), device=q.device)
+            q_rows = (starts_q[s0:s1, None] + q_pos[None, :]).clamp(max=total_q - 1)
+            q_ok = (q_pos[None, :] < lq[:, None])[..., None, None]
+            qb = torch.where(q_ok, q[q_rows], q.new_zeros(()))
+            args = (qb, kb, vb, lq, lk, q_pos, mask, problem.scale, compute_dtype)
+            o, l = checkpoint(_chunk, *args, use_reentrant=False) if need_grad else _chunk(*args)
+            outs.append(o)
+            lses.append(l)
+        out_groups.append(torch.cat(outs, dim=1))
+        lse_groups.append(torch.cat(lses, dim=2))
+    padded_out = torch.cat(out_groups, dim=0)  # (N, Lq, Hq, Dv)
+    padded_lse = torch.cat(lse_groups, dim=0)  # (N, Hq, Lq)
+
+    seq_of_row, pos_of_row = seqs.row_map_q()
+    valid = seq_of_row >= 0
+    seq_c = seq_of_row.clamp_min(0)
+    out = padded_out[seq_c, pos_of_row]
+    out = torch.where(valid[:, None, None], out, out.new_zeros(())).to(q.dtype)
+    lse = None
+    if problem.return_lse:
+        lse = padded_lse[seq_c, :, pos_of_row].t()
+        lse = torch.where(valid[None, :], lse, lse.new_full((), float("-inf"))).float()
+    return out, lse

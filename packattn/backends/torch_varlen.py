@@ -1,0 +1,76 @@
+"""`torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 inside PyTorch) on CUDA."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from packattn.backends.base import Backend, Problem, empty_rows_lse
+
+try:
+    from torch.nn.attention import varlen as _varlen
+
+    _VARLEN_ATTN = _varlen.varlen_attn
+    _SIGNATURE = inspect.signature(_VARLEN_ATTN).parameters
+    _IMPORT_ERROR = None
+except (ImportError, AttributeError) as e:  # torch without varlen_attn
+    _VARLEN_ATTN, _SIGNATURE, _IMPORT_ERROR = None, {}, e
+
+
+class TorchVarlenBackend(Backend):
+    name = "torch_varlen"
+
+    def unavailable(self) -> str | None:
+        if _VARLEN_ATTN is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({_IMPORT_ERROR})"
+        if not torch.cuda.is_available():
+            return "needs CUDA"
+        return None
+
+    def unsupported(self, params) -> str | None:
+        if params.device_type != "cuda":
+            return f"needs CUDA tensors, got {params.device_type}"
+        if params.kind == "tree":
+            return "tree descriptors need a tree-aware backend"
+        if params.dtype not in (torch.float16, torch.bfloat16):
+            return f"FlashAttention-2 takes fp16/bf16, got {params.dtype}"
+        if params.head_dim != params.head_dim_v or params.head_dim > 256 or params.head_dim % 8:
+            return f"head dims {params.head_dim}/{params.head_dim_v}: needs equal q/v head dims, a multiple of 8, <= 256"
+        if params.pad_between_seqs:
+            return "no padding between sequences (cu_seqlens are both lengths and offsets)"
+        if params.mask.chunk_size is not None:
+            return "no chunked attention"
+        if params.mask.align == "top_left" and not params.is_self:
+            return "causal is bottom-right aligned only (top-left differs when q and kv lengths differ)"
+        if params.mask.window is not None and "window_size" not in _SIGNATURE:
+            return "this torch's varlen_attn has no window_size"
+        if params.mask.causal and "window_size" not in _SIGNATURE and "is_causal" not in _SIGNATURE:
+            return "this torch's varlen_attn has no causal option"
+        if params.heads_q != params.heads_kv and "enable_gqa" not in _SIGNATURE:
+            return "this torch's varlen_attn has no GQA"
+        if params.deterministic:
+            return "FlashAttention-2's backward accumulates dq with atomics (not deterministic)"
+        return None
+
+    def run(self, problem: Problem):
+        seqs, mask = problem.seqs, problem.mask
+        kwargs = {"scale": problem.scale}
+        if "window_size" in _SIGNATURE:
+            kwargs["window_size"] = (mask.left, mask.right)
+        elif mask.causal:
+            kwargs["is_causal"] = True
+        if problem.q.shape[1] != problem.k.shape[1]:
+            kwargs["enable_gqa"] = True
+        if problem.return_lse:
+            kwargs["return_aux"] = _varlen.AuxRequest(lse=True)
+        result = _VARLEN_ATTN(
+            problem.q, problem.k, problem.v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
+            seqs.max_seqlen_q, seqs.max_seqlen_kv, **kwargs,
+        )
+        if not problem.return_lse:
+            return result, None
+        out, lse = result
+        if lse.shape[0] != problem.q.shape[1]:  # (total, heads) in some versions
+            lse = lse.t()
+        return out, empty_rows_lse(lse.float())

@@ -1,0 +1,124 @@
+"""Backend selection: `Params` -> the first capable backend by priority, with a reason for every skip.
+
+Environment overrides (read on every call, part of the cache key):
+
+* ``PACKATTN_BACKEND=<name>`` forces one backend (an error lists why it cannot run, if it cannot);
+* ``PACKATTN_DISABLE=<name>[,<name>...]`` switches backends off, e.g. a kernel in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from packattn.backends import REGISTRY
+from packattn.backends.base import Backend
+from packattn.mask import Mask
+
+log = logging.getLogger("packattn.dispatch")
+
+# lengths above this are one bucket in the dispatch key (small-seq kernels care about <= 16)
+_LENGTH_BUCKET = 17
+_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything dispatch looks at. Hashable; built per call from host values only."""
+
+    device_type: str
+    dtype: torch.dtype
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    kind: str  # "varlen" | "dense" | "tree"
+    pad_between_seqs: bool
+    is_self: bool  # q and kv describe the same sequences
+    host_lengths: bool  # per-sequence lengths are known on the host
+    max_seqlen_q: int  # bucketed: min(value, 17)
+    max_seqlen_kv: int  # bucketed: min(value, 17)
+    mask: Mask
+    return_lse: bool
+    deterministic: bool
+    requires_grad: bool
+
+    @staticmethod
+    def bucket(length: int) -> int:
+        return min(length, _LENGTH_BUCKET)
+
+
+class NoBackendError(ValueError):
+    """No backend can run the call; the message lists each backend's reason."""
+
+
+def _env() -> tuple[str | None, frozenset[str]]:
+    forced = os.environ.get("PACKATTN_BACKEND", "").strip() or None
+    disabled = frozenset(n.strip() for n in os.environ.get("PACKATTN_DISABLE", "").split(",") if n.strip())
+    return forced, disabled
+
+
+def reasons(params: Params, requested: str = "auto") -> list[tuple[str, str | None]]:
+    """``(backend name, reason it cannot run or None)`` for every backend, in priority order."""
+    forced, disabled = _env()
+    want = forced or (None if requested == "auto" else requested)
+    out = []
+    for backend in REGISTRY:
+        if backend.name in disabled:
+            why = "disabled by PACKATTN_DISABLE"
+        elif want is not None and backend.name != want:
+            why = f"not the requested backend ({want})" + (" from PACKATTN_BACKEND" if forced else "")
+        else:
+            why = backend.unavailable() or backend.unsupported(params)
+        out.append((backend.name, why))
+    return out
+
+
+_cache: OrderedDict = OrderedDict()
+
+
+def select(params: Params, requested: str = "auto") -> Backend:
+    """The backend that runs a call with these params (cached per params + overrides)."""
+    forced, disabled = _env()
+    key = (params, requested, forced, disabled)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    names = {b.name for b in REGISTRY}
+    for name, source in ((requested, "backend="), (forced, "PACKATTN_BACKEND=")):
+        if name not in (None, "auto") and name not in names:
+            raise ValueError(f"unknown backend {source}{name!r}; known: {', '.join(sorted(names))}")
+    chosen = None
+    listing = reasons(params, requested)
+    for name, why in listing:
+        if why is None:
+            chosen = next(b for b in REGISTRY if b.name == name)
+            break
+        log.debug("packattn: skipping backend %s: %s", name, why)
+    if chosen is None:
+        lines = "\n".join(f"  {name}: {why}" for name, why in listing)
+        raise NoBackendError(f"no packattn backend can run this call ({describe(params)}):\n{lines}")
+    log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
+    _cache[key] = chosen
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return chosen
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def describe(params: Params) -> str:
+    return (
+        f"{params.kind} {params.device_type} {str(params.dtype).replace('torch.', '')} "
+        f"heads {params.heads_q}/{params.heads_kv} d={params.head_dim}, {params.mask.describe()}"
+        + (", padded" if params.pad_between_seqs else "")
+        + (", lse" if params.return_lse else "")
+        + (", deterministic" if params.deterministic else "")
+    )
