@@ -1,0 +1,57 @@
+"""`packattn info | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    import packattn
+
+    out = {"packattn": packattn.__version__, "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = "not installed"
+    if torch.cuda.is_available():
+        out["device"] = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
+    else:
+        out["device"] = "CPU (no CUDA device)"
+    return out
+
+
+def info() -> int:
+    from packattn.backends import REGISTRY
+
+    for key, value in _versions().items():
+        print(f"{key:>10}: {value}")
+    print("\nbackends (priority order):")
+    for backend in REGISTRY:
+        why = backend.unavailable()
+        print(f"  {backend.name:<14} {'available' if why is None else 'unavailable: ' + why}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="packattn", description="attention for packed sequences")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="device, versions, and which backends can run here")
+    demo = sub.add_parser("demo", help="run every available backend on packed batches against the reference")
+    demo.add_argument("--size", choices=("auto", "small", "large"), default="auto", help="problem size (auto: large on a GPU)")
+    demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    from packattn.demo import run_demo
+
+    return run_demo(size=args.size, seed=args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

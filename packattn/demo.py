@@ -1,0 +1,125 @@
+"""`packattn demo`: packed batches (varlen, padding, window, chunk, cross, GQA) on every available
+backend, each compared with the reference backend computed in float32 from the same inputs."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from packattn import dispatch
+from packattn.api import attention
+from packattn.backends import REGISTRY
+from packattn.varlen import Varlen
+
+CASES = [
+    # name, options for attention(), pad_to_multiple, cross-attention
+    ("varlen causal", {"causal": True}, None, False),
+    ("padded causal", {"causal": True}, 64, False),
+    ("window (64,0)", {"causal": True, "window": (64, 0)}, None, False),
+    ("chunk 128", {"causal": True, "chunk_size": 128}, None, False),
+    ("cross bottom-right", {"causal": True}, None, True),
+    ("cross top-left, padded", {"causal": "top_left"}, 16, True),
+]
+
+
+def _lengths(rng: random.Random, total: int, longest: int) -> list[int]:
+    out = []
+    while sum(out) < total:
+        out.append(rng.choice([0, 1, rng.randint(2, longest)]))
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, reps: int) -> float:
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def run_demo(size: str = "auto", seed: int = 0) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    large = size == "large" or (size == "auto" and device.type == "cuda")
+    total, longest, heads, dim = (16384, 4096, (16, 4), 128) if large else (600, 150, (4, 2), 32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reps = 10 if large else 2
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    print(f"packattn demo on {device} ({'large' if large else 'small'}): ~{total} tokens, heads {heads[0]}/{heads[1]}, "
+          f"head_dim {dim}, {str(dtype).replace('torch.', '')}; errors vs the reference in float32\n")
+    rows = []
+    failures = 0
+    for name, opts, pad, cross in CASES:
+        lq = _lengths(rng, total, longest)
+        lk = [max(0, n + rng.randint(-20, 20)) for n in lq] if cross else None
+        seqs = Varlen.from_lengths(lq, lk, pad_to_multiple=pad, device=device)
+        q = torch.randn(seqs.total_q, heads[0], dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(seqs.total_kv, heads[1], dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(seqs.total_kv, heads[1], dim, device=device, dtype=dtype, requires_grad=True)
+        dout = torch.randn(seqs.total_q, heads[0], dim, device=device, dtype=dtype)
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = attention(q32, k32, v32, seqs, backend="reference", **opts)
+        ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+        for backend in REGISTRY:
+            why = backend.unavailable()
+            if why is None:
+                why = _unsupported(backend, q, k, v, seqs, opts)
+            if why is not None:
+                rows.append((name, backend.name, "-", "-", "-", why))
+                continue
+
+            def step():
+                out = attention(q, k, v, seqs, backend=backend.name, **opts)
+                return out, torch.autograd.grad(out, (q, k, v), dout)
+
+            try:
+                out, grads = step()
+                err_out = (out.float() - ref).abs().max().item()
+                err_grad = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+                ms = _time(step, device, reps)
+                ok = torch.isfinite(out).all().item() and err_out < (2e-2 if dtype != torch.float32 else 1e-4)
+                failures += not ok
+                rows.append((name, backend.name, f"{err_out:.2e}", f"{err_grad:.2e}", f"{ms:.2f}", "ok" if ok else "MISMATCH"))
+            except Exception as e:  # report, keep going
+                failures += 1
+                rows.append((name, backend.name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]))
+    _print_table(("case", "backend", "max|out err|", "max|grad err|", "fwd+bwd ms", "status"), rows)
+    print(f"\n{'all backends agree with the reference' if not failures else f'{failures} failures'}")
+    return 1 if failures else 0
+
+
+def _unsupported(backend, q, k, v, seqs, opts):
+    from packattn.mask import Mask
+
+    params = dispatch.Params(
+        device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[2],
+        head_dim_v=v.shape[2], kind="varlen", pad_between_seqs=seqs.pad_between_seqs, is_self=seqs.is_self,
+        host_lengths=seqs.lengths_q is not None, max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
+        max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv), mask=Mask.make(**opts), return_lse=False,
+        deterministic=False, requires_grad=True,
+    )
+    return backend.unsupported(params)
+
+
+def _print_table(header, rows):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*header)
+        for row in rows:
+            table.add_row(*row)
+        Console(width=160).print(table)
+    except ImportError:
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))

@@ -1,0 +1,13 @@
+# Sourced by the scripts here: make (once) and enter .venv with packattn and its test deps.
+# CPU machines get the CPU torch wheel (torch==2.13.0); triton is pinned to what we test against.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -c "import triton" 2>/dev/null || python -m pip install -q "triton==3.6.0"
+python -m pip install -q -e ".[test]"
