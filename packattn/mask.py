@@ -157,6 +157,40 @@ def block_key_range(mask: Mask, q_start, q_end, len_q, len_kv):
     return lo_first, hi_last, lo_last, hi_first
 
 
+def block_query_range(mask: Mask, k_start, k_end, len_q, len_kv):
+    """For keys ``[k_start, k_end)`` of one sequence (non-empty, inside ``[0, len_kv)``): queries any
+    of which sees some key of the block ``[lo, hi)`` and queries that see every key of the block
+    ``[full_lo, full_hi)``; lower ends are ``>= 0``, upper ends ``<= len_q``, and ``lo >= hi`` means none.
+
+    The inverse of `block_key_range`, used by backward kernels that walk, per key block, the
+    queries that can see it. ``lo(a)``/``hi(a)`` of `key_range` are non-decreasing in the aligned
+    position ``a`` and a row's visible keys are one interval, so each set is an interval of ``a``;
+    per rule (``j`` a key of the block, ``last = k_end - 1``, ``S(a) = floor(a / c) * c``):
+
+    * some key:  ``a >= k_start - right``, ``a <= last + left``, ``S(a) + c > k_start``, ``S(a) <= last``;
+    * every key: ``a >= last - right``, ``a <= k_start + left``, ``S(a) + c > last``, ``S(a) <= k_start``.
+    """
+    off = offset(mask, len_q, len_kv)
+    last = k_end - 1
+    # aligned positions of the sequence's queries: [off, off + len_q)
+    lo = full_lo = 0 * k_start + off
+    hi = full_hi = 0 * k_start + off + len_q
+    if mask.right >= 0:
+        lo = _max(lo, k_start - mask.right)
+        full_lo = _max(full_lo, last - mask.right)
+    if mask.left >= 0:
+        hi = _min(hi, last + mask.left + 1)
+        full_hi = _min(full_hi, k_start + mask.left + 1)
+    if mask.chunk_size is not None:
+        c = mask.chunk_size
+        first_chunk, last_chunk = _floor_div(k_start, c) * c, _floor_div(last, c) * c
+        lo = _max(lo, first_chunk)
+        hi = _min(hi, last_chunk + c)
+        full_lo = _max(full_lo, last_chunk)
+        full_hi = _min(full_hi, first_chunk + c)
+    return lo - off, hi - off, full_lo - off, full_hi - off
+
+
 def visible(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor, len_q, len_kv) -> torch.Tensor:
     """Boolean visibility of key position ``k_pos`` to query position ``q_pos`` (broadcasting).
 

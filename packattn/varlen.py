@@ -182,8 +182,8 @@ class Varlen:
         lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
         lk = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
         for name, given, lengths in (("max_seqlen_q", max_seqlen_q, lq), ("max_seqlen_kv", max_seqlen_kv, lk)):
-            if given is None:
-                continue
+            if given is None and name == "max_seqlen_kv":
+                continue  # derived below
             if isinstance(given, bool) or not isinstance(given, int):
                 raise TypeError(f"{name} must be an int, got {given!r}")
             if lengths and given < max(lengths):

@@ -47,8 +47,6 @@ class TorchVarlenBackend(Backend):
             return "this torch's varlen_attn has no window_size"
         if params.mask.causal and "window_size" not in _SIGNATURE and "is_causal" not in _SIGNATURE:
             return "this torch's varlen_attn has no causal option"
-        if params.heads_q != params.heads_kv and "enable_gqa" not in _SIGNATURE:
-            return "this torch's varlen_attn has no GQA"
         if params.deterministic:
             return "FlashAttention-2's backward accumulates dq with atomics (not deterministic)"
         return None
@@ -60,12 +58,16 @@ class TorchVarlenBackend(Backend):
             kwargs["window_size"] = (mask.left, mask.right)
         elif mask.causal:
             kwargs["is_causal"] = True
-        if problem.q.shape[1] != problem.k.shape[1]:
+        k, v = problem.k, problem.v
+        group = problem.q.shape[1] // k.shape[1]
+        if group > 1 and "enable_gqa" in _SIGNATURE:
             kwargs["enable_gqa"] = True
+        elif group > 1:  # this torch's varlen_attn has no GQA: repeat K/V heads (autograd sums them back)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if problem.return_lse:
             kwargs["return_aux"] = _varlen.AuxRequest(lse=True)
         result = _VARLEN_ATTN(
-            problem.q, problem.k, problem.v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
+            problem.q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
             seqs.max_seqlen_q, seqs.max_seqlen_kv, **kwargs,
         )
         if not problem.return_lse:
