@@ -1,0 +1,1 @@
+"""@triton.jit code only; launchers live in `packattn.backends`."""

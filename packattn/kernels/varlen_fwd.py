@@ -1,0 +1,126 @@
+"""Forward flash attention over packed (THD) sequences.
+
+One program per (query tile, query head). A query tile is one row of the launcher's tile table
+(``int32 (num_tiles, 6)``, see `packattn.backends.triton_varlen`)::
+
+    [seq, q_start, lo, mid_lo, mid_hi, hi]
+
+``seq < 0`` marks a surplus tile (the grid is sized by a host bound): the program exits. Keys
+``[lo, hi)`` of sequence ``seq`` are the only ones any query of the tile may see
+(`packattn.mask.block_key_range`); blocks ``[mid_lo, mid_hi)`` (``BLOCK_N`` steps from ``lo``)
+lie inside the range every query of the tile sees and skip the element mask, the blocks before
+and after them apply it. Rows are physical: sequence ``seq`` starts at ``row_offsets_q[seq]``
+(``cu_seqlens_q_padded`` when there is padding between sequences, else ``cu_seqlens_q``), its
+real length is ``cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]``.
+
+Online softmax in base 2: scores are multiplied once by ``scale * log2(e)`` and ``exp2`` is used;
+accumulation in float32. Writes ``out`` (input dtype) and ``lse`` (float32, natural log,
+``(heads_q, rows)``). A row that sees no key writes ``out = 0`` and ``lse = -inf``.
+GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repeated.
+"""
+
+import triton
+import triton.language as tl
+
+from packattn.kernels.varlen_mask import visible_tile
+
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
+                       n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
+                       window_left, window_right, chunk_size,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Fold key blocks starting at ``n_from, n_from + BLOCK_N, ... < n_to`` into the running softmax."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for n_start in range(n_from, n_to, BLOCK_N):
+        keys = n_start + offs_n
+        if MASKED:
+            kv_mask = (keys < len_kv)[:, None] & d_ok[None, :]
+        else:  # unmasked blocks lie inside [0, len_kv)
+            kv_mask = d_ok[None, :]
+        rows = keys.to(tl.int64)[:, None]
+        k = tl.load(k_base + rows * stride_k_row + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows * stride_v_row + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
+        if MASKED:
+            ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
+                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def varlen_fwd_kernel(
+    Q, K, V, Out, Lse, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_o_row, stride_o_head, stride_lse_head,
+    num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // num_heads_q  # heads vary fastest: the longest tiles of every head start first
+    head = pid % num_heads_q
+    seq = tl.load(tiles + tile * 6)
+    if seq < 0:
+        return
+    q_start = tl.load(tiles + tile * 6 + 1)
+    n_lo = tl.load(tiles + tile * 6 + 2)
+    n_mid_lo = tl.load(tiles + tile * 6 + 3)
+    n_mid_hi = tl.load(tiles + tile * 6 + 4)
+    n_hi = tl.load(tiles + tile * 6 + 5)
+    len_q = tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)
+    len_kv = tl.load(cu_seqlens_kv + seq + 1) - tl.load(cu_seqlens_kv + seq)
+    row0_q = tl.load(row_offsets_q + seq).to(tl.int64)
+    row0_kv = tl.load(row_offsets_kv + seq).to(tl.int64)
+    kv_head = head // group_size
+
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_rows = (row0_q + offs_m)[:, None]
+    row_ok = offs_m < len_q
+    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + q_rows * stride_q_row + head * stride_q_head + offs_d[None, :], mask=q_mask, other=0.0)
+
+    k_base = K + row0_kv * stride_k_row + kv_head * stride_k_head
+    v_base = V + row0_kv * stride_v_row + kv_head * stride_v_head
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # boundary blocks before the fully visible band, the band itself, boundary blocks after it
+    acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
+                                       n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2,
+                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+    acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
+                                       n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2,
+                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+    acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
+                                       n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2,
+                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+
+    empty = l_i == 0.0  # saw no key: out = 0, lse = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    tl.store(Out + q_rows * stride_o_row + head * stride_o_head + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=q_mask)
+    tl.store(Lse + head.to(tl.int64) * stride_lse_head + row0_q + offs_m, lse, mask=row_ok)

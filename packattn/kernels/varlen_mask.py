@@ -1,0 +1,66 @@
+"""In-kernel twin of `packattn.mask.key_range` (the formulas must stay identical to mask.py).
+
+A query aligned at key position ``a`` (``a = i + offset``, offset ``len_kv - len_q`` for
+bottom-right alignment, 0 for top-left) sees keys ``[lo, hi)``::
+
+    lo = 0,       hi = len_kv
+    right >= 0:   hi = min(hi, a + right + 1)      (causal is right == 0)
+    left  >= 0:   lo = max(lo, a - left)
+    chunk c:      S = floor(a / c) * c;  lo = max(lo, S);  hi = min(hi, S + c)
+
+One deliberate difference in *form*, not in result: Triton's integer ``//`` truncates toward zero
+on GPU, so ``floor(a / c)`` is only evaluated for ``a >= 0``; for ``a < 0`` we use ``S = -c``.
+Both give ``hi <= 0 <= lo`` there (nothing visible), exactly as mask.py does.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def aligned_offset(len_q, len_kv, TOP_LEFT: tl.constexpr):
+    """``a(i) = i + aligned_offset``: bottom-right ``len_kv - len_q``, top-left 0."""
+    if TOP_LEFT:
+        return len_q * 0
+    else:
+        return len_kv - len_q
+
+
+@triton.jit
+def key_range(aligned, len_kv, window_left, window_right, chunk_size,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """Visible keys ``[lo, hi)`` of queries aligned at ``aligned`` (a block of int32)."""
+    lo = aligned * 0
+    hi = lo + len_kv
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, aligned + window_right + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, aligned - window_left)
+    if HAS_CHUNK:
+        chunk_start = tl.where(aligned < 0, -chunk_size, (tl.maximum(aligned, 0) // chunk_size) * chunk_size)
+        lo = tl.maximum(lo, chunk_start)
+        hi = tl.minimum(hi, chunk_start + chunk_size)
+    return lo, hi
+
+
+@triton.jit
+def visible_tile(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_size,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                 TOP_LEFT: tl.constexpr):
+    """``(len(offs_q), len(offs_k))`` booleans: query ``offs_q[i]`` sees key ``offs_k[j]``
+    (positions within the sequence; queries past ``len_q`` and keys past ``len_kv`` see nothing)."""
+    aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
+    lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+    ok = (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
+    return ok & (offs_q < len_q)[:, None]
+
+
+@triton.jit
+def visible_tile_keys_by_queries(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
+                                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                                 TOP_LEFT: tl.constexpr):
+    """`visible_tile` transposed: ``(len(offs_k), len(offs_q))``, for kernels that hold keys as rows."""
+    aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
+    lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+    ok = (offs_k[:, None] >= lo[None, :]) & (offs_k[:, None] < hi[None, :])
+    return ok & (offs_q < len_q)[None, :]
