@@ -1,4 +1,4 @@
-"""`packattn info | demo`."""
+"""`packattn info | demo | bench`."""
 
 from __future__ import annotations
 
@@ -45,7 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run every available backend on packed batches against the reference")
     demo.add_argument("--size", choices=("auto", "small", "large"), default="auto", help="problem size (auto: large on a GPU)")
     demo.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="time the workloads of workloads.md on every implementation (GPU)")
+    bench.add_argument("--workloads", nargs="*", help="e.g. W1 W2 (default: all)")
+    bench.add_argument("--impls", nargs="*", help="implementations (default: all)")
+    bench.add_argument("--json", help="write results as JSON here")
+    bench.add_argument("--plot", help="write a PNG bar chart here")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from packattn.bench.runner import run_bench
+
+        return run_bench(args.workloads, args.impls, args.json, args.plot)
     if args.command == "info":
         return info()
     from packattn.demo import run_demo

@@ -1,0 +1,152 @@
+"""`packattn bench`: time each workload on each implementation, print a table, write JSON and a plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+
+import torch
+
+import packattn
+from packattn.bench.anchors import ANCHORS, IMPLS, Unavailable
+from packattn.bench.workloads import Workload, varlen_workloads
+
+
+def _do_bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _ceilings(device) -> dict:
+    """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate."""
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    ms = _do_bench(lambda: y.copy_(x))
+    copy = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = _do_bench(lambda: a @ b)
+    return {"copy_TBps": round(copy, 3), "matmul_tflops": round(2 * 8192**3 / (ms * 1e-3) / 1e12, 1)}
+
+
+def _inputs_for(w: Workload, impl: str, device):
+    """Anchors that cannot take padding run on the unpadded data (workloads.md: W3's anchors)."""
+    if w.pad_to_multiple and impl != "packattn:triton" and not impl.startswith("packattn:"):
+        w = Workload(w.name, w.lengths_q, w.lengths_kv, w.heads_q, w.heads_kv, w.head_dim, w.options)
+    seqs, q, k, v = w.make_inputs(device, torch.bfloat16, seed=0)
+    return w, seqs, q, k, v
+
+
+def run_one(w: Workload, impl: str, device) -> dict:
+    row = {"workload": w.name.split()[0], "impl": impl}
+    try:
+        w_used, seqs, q, k, v = _inputs_for(w, impl, device)
+        fn = IMPLS[impl](w_used, seqs)
+        group = getattr(fn, "expand_kv", 1)
+        if group > 1:
+            k = k.detach().repeat_interleave(group, dim=1).requires_grad_()
+            v = v.detach().repeat_interleave(group, dim=1).requires_grad_()
+        dout = torch.randn_like(q)
+        fwd_ms = _do_bench(lambda: fn(q, k, v))
+
+        def fwdbwd():
+            out = fn(q, k, v)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        fwdbwd_ms = _do_bench(fwdbwd)
+        flops = getattr(fn, "flops", None) or w.fwd_flops()
+        row.update(
+            fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(fwdbwd_ms, 4),
+            fwd_tflops=round(flops / (fwd_ms * 1e-3) / 1e12, 1),
+            fwdbwd_tflops=round(3.5 * flops / (fwdbwd_ms * 1e-3) / 1e12, 1),
+        )
+    except Unavailable as e:
+        row["error"] = f"unavailable: {e}"
+    except Exception as e:  # noqa: BLE001 - a failed run is a row, not a crash
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None) -> int:
+    if not torch.cuda.is_available():
+        print("packattn bench needs a CUDA GPU")
+        return 1
+    import triton
+
+    device = torch.device("cuda")
+    table = varlen_workloads()
+    names = workloads or list(table)
+    impls = impls or list(IMPLS)
+    env = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "packattn": packattn.__version__, "date": datetime.date.today().isoformat(), **_ceilings(device),
+    }
+    print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul {env['matmul_tflops']} TF/s")
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x, **_):
+            return x
+    jobs = [(n, i) for n in names for i in impls]
+    for name, impl in tqdm(jobs, desc="bench", mininterval=5):
+        if impl == "sdpa_dense" and name not in ("W1", "W2"):
+            continue
+        rows.append(run_one(table[name], impl, device))
+    print_table(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+        print(f"wrote {json_path}")
+    if plot_path:
+        plot(rows, plot_path, env)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    by_wl: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_wl.setdefault(r["workload"], {})[r["impl"]] = r
+    header = f"{'workload':<6} {'impl':<16} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9}  ratios (fwd / f+b) vs anchors"
+    print(header)
+    for wl, impls in by_wl.items():
+        for impl, r in impls.items():
+            if "error" in r:
+                print(f"{wl:<6} {impl:<16} {r['error'][:90]}")
+                continue
+            ratios = []
+            for a in ANCHORS:
+                ar = impls.get(a)
+                if a != impl and ar and "error" not in ar and not impl in ANCHORS:
+                    ratios.append(f"{a} {r['fwd_tflops'] / ar['fwd_tflops']:.2f}/{r['fwdbwd_tflops'] / ar['fwdbwd_tflops']:.2f}")
+            print(f"{wl:<6} {impl:<16} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>9.1f} {r['fwdbwd_ms']:>8.3f} {r['fwdbwd_tflops']:>9.1f}  {', '.join(ratios)}")
+
+
+def plot(rows: list[dict], path, env) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    wls = sorted({r["workload"] for r in rows})
+    impls = [i for i in IMPLS if any(r["impl"] == i and "error" not in r for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / max(1, len(impls))
+    for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwdbwd_tflops", "forward+backward")):
+        for j, impl in enumerate(impls):
+            vals = [next((r.get(key, math.nan) for r in rows if r["workload"] == w and r["impl"] == impl), math.nan) for w in wls]
+            ax.bar([i + j * width for i in range(len(wls))], vals, width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wls))], wls)
+        ax.set_ylabel("TF/s (useful FLOPs)")
+        ax.set_title(f"{title}: {env['gpu']}, torch {env['torch']}, {env['date']}")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
