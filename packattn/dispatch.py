@@ -74,6 +74,8 @@ def reasons(params: Params, requested: str = "auto") -> list[tuple[str, str | No
             why = f"not the requested backend ({want})" + (" from PACKATTN_BACKEND" if forced else "")
         else:
             why = backend.unavailable() or backend.unsupported(params)
+            if why is None and want is None:
+                why = backend.auto_skip(params)
         out.append((backend.name, why))
     return out
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oracle import (
@@ -27,6 +27,8 @@ from packattn.mask import Mask
 
 BACKENDS = ["reference", "sdpa"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# the oracle comparisons are cheap at these sizes: at least 150 examples even in the "ci" profile
+MANY = settings(max_examples=max(150, settings.default.max_examples))
 
 # lengths: 0, 1, around powers of two, anything up to 40 (4 sequences -> at most ~160 rows)
 LENGTH = st.one_of(st.sampled_from([0, 1, 2, 3, 7, 9, 15, 17, 31, 33]), st.integers(0, 40))
@@ -126,6 +128,7 @@ def compare(case_dtype, out, grads, ref_out, ref_grads, base_out=None, base_grad
 
 # ------------------------------------------------------------------------------------ packed (thd)
 @pytest.mark.parametrize("backend", BACKENDS)
+@MANY
 @given(case=packed_cases())
 def test_packed_against_oracle(backend, case: Case):
     lk = case.lengths_q if case.lengths_kv is None else case.lengths_kv
@@ -230,6 +233,7 @@ def dense_cases(draw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@MANY
 @given(dense=dense_cases())
 def test_dense_against_oracle(backend, dense):
     case, layout, batch, sq, sk = dense

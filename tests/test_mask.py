@@ -157,3 +157,22 @@ def test_block_key_range_by_hand():
     assert (lo, hi) == (2, 8) and flo >= fhi
     # chunk 4, queries 4..7 of 8: own chunk [4, 8); full part is key 4 only (query 4 sees only key 4)
     assert masks.block_key_range(Mask.make(causal=True, chunk_size=4), 4, 8, 8, 8) == (4, 8, 4, 5)
+
+
+@given(
+    lq=st.integers(0, 24), lk=st.integers(1, 24), causal=CAUSAL, window=WINDOW, chunk=CHUNK,
+    block=st.tuples(st.integers(0, 23), st.integers(1, 24)),
+)
+def test_block_query_range_is_exact(lq, lk, causal, window, chunk, block):
+    """The inverse rule (per key block, for backward kernels): the queries that see some key of the
+    block are exactly [lo, hi), those that see every key exactly [full_lo, full_hi) (empty: lo >= hi)."""
+    start = min(block[0], lk - 1)
+    end = min(lk, start + block[1])
+    m = Mask.make(causal, window, chunk)
+    vis = oracle_mask(lq, lk, causal=causal, window=window, chunk_size=chunk)[:, start:end]
+    lo, hi, full_lo, full_hi = masks.block_query_range(m, start, end, lq, lk)
+    assert 0 <= lo and hi <= lq and 0 <= full_lo and full_hi <= lq
+    some = vis.any(dim=1).nonzero().flatten().tolist()
+    every = vis.all(dim=1).nonzero().flatten().tolist()
+    assert (list(range(lo, hi)) == some) if some else lo >= hi, (lo, hi, some)
+    assert (list(range(full_lo, full_hi)) == every) if every else full_lo >= full_hi, (full_lo, full_hi, every)

@@ -4,8 +4,10 @@ from packattn.backends.flex import FlexBackend
 from packattn.backends.reference import ReferenceBackend
 from packattn.backends.sdpa import SdpaBackend
 from packattn.backends.torch_varlen import TorchVarlenBackend
+from packattn.backends.triton_varlen import TritonVarlenBackend
 
 REGISTRY = [
+    TritonVarlenBackend(),
     TorchVarlenBackend(),
     FlexBackend(),
     SdpaBackend(),

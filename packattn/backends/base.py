@@ -39,6 +39,11 @@ class Backend:
         """Why this backend cannot run a call with these `dispatch.Params`, or None if it can."""
         raise NotImplementedError
 
+    def auto_skip(self, params) -> str | None:
+        """Why ``backend="auto"`` should pass over this backend although it could run the call (e.g.
+        a slow emulation meant for tests), or None. An explicit request still uses it."""
+        return None
+
     def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(out, lse)``; ``lse`` float32 ``(heads_q, total_q)`` or None when not asked for."""
         raise NotImplementedError

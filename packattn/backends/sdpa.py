@@ -42,6 +42,10 @@ class SdpaBackend(Backend):
 def _sdpa(q, k, v, mask: masks.Mask, scale: float):
     """q (B, Lq, Hq, D), k/v (B, Lk, Hk, D) -> (B, Lq, Hq, Dv); rows that see no key are zeros."""
     lq, lk = q.shape[1], k.shape[1]
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        # SDPA's CPU kernels keep fp16/bf16 intermediates (errors like a naive fp16/bf16 computation,
+        # worst in the backward); packattn accumulates in float32, so run them in float32 here
+        return _sdpa(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     gqa = q.shape[2] != k.shape[2]
     if mask.is_full:

@@ -20,30 +20,29 @@ positions; blocks in ``[mid_lo, mid_hi)`` skip the element mask. With ``P = exp2
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_mask import visible_tile, visible_tile_keys_by_queries
+from packattn.kernels.varlen_common import load_rows, store_rows, visible_tile, visible_tile_keys_by_queries
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def bwd_preprocess_kernel(Out, dOut, dLse, Delta, total_rows,
+def bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, total_rows,
                           stride_o_row, stride_o_head, stride_do_row, stride_do_head, stride_delta_head,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           HAS_DLSE: tl.constexpr):
     """``delta[h, r] = sum_d dO[r, h, d] * O[r, h, d] - dlse[h, r]``; grid (row blocks, heads)."""
     head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    first_row = tl.program_id(0) * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
     row_ok = rows < total_rows
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    o = tl.load(Out + rows64 * stride_o_row + head * stride_o_head + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(dOut + rows64 * stride_do_row + head * stride_do_head + offs_d[None, :], mask=mask, other=0.0)
+    o = load_rows(Out + head * stride_o_head, first_row, stride_o_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, True)
+    do = load_rows(dOut + head * stride_do_head, first_row, stride_do_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     at = head.to(tl.int64) * stride_delta_head + rows
     if HAS_DLSE:
         dlse = tl.load(dLse + at, mask=row_ok, other=0.0)
-        delta -= tl.where(dlse == dlse, dlse, 0.0)  # a NaN gradient on an empty row's lse is ignored
+        sees_nothing = tl.load(Lse + at, mask=row_ok, other=0.0) == float("-inf")
+        delta -= tl.where(sees_nothing, 0.0, dlse)  # P = 0 on such rows: their dlse (even NaN) plays no part
     tl.store(Delta + at, delta, mask=row_ok)
 
 
@@ -72,21 +71,18 @@ def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                             MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                             HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Add the contributions of query blocks ``m_from, m_from + BLOCK_M, ... < m_to`` of one head."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     for m_start in range(m_from, m_to, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < len_q  # unmasked blocks lie inside [0, len_q): no row check there
+        q = load_rows(q_base, m_start, stride_q_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED)
+        do = load_rows(do_base, m_start, stride_do_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED)
         if MASKED:
-            row_ok = offs_m < len_q
-        else:  # unmasked blocks lie inside [0, len_q)
-            row_ok = offs_m >= 0
-        mask = row_ok[:, None] & d_ok[None, :]
-        rows = offs_m.to(tl.int64)
-        q = tl.load(q_base + rows[:, None] * stride_q_row + offs_d[None, :], mask=mask, other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_do_row + offs_d[None, :], mask=mask, other=0.0)
-        lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
         lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no visible key: P = 0
-        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale_log2  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         if MASKED:
@@ -120,11 +116,11 @@ def bwd_dkdv_kernel(
     if seq < 0:
         return
     offs_n = k_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_rows = (row0_kv + offs_n)[:, None]
-    kv_mask = (offs_n < len_kv)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + kv_rows * stride_k_row + kv_head * stride_k_head + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_rows * stride_v_row + kv_head * stride_v_head + offs_d[None, :], mask=kv_mask, other=0.0)
+    key_ok = offs_n < len_kv
+    k = load_rows(K + row0_kv * stride_k_row + kv_head * stride_k_head, k_start, stride_k_row, key_ok,
+                  HEAD_DIM, BLOCK_D, BLOCK_N, True)
+    v = load_rows(V + row0_kv * stride_v_row + kv_head * stride_v_head, k_start, stride_v_row, key_ok,
+                  HEAD_DIM, BLOCK_D, BLOCK_N, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(group_size):  # fixed order over the query heads sharing this kv head
@@ -148,11 +144,10 @@ def bwd_dkdv_kernel(
                                          qk_scale_log2, window_left, window_right, chunk_size,
                                          HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                                          TOP_LEFT, INPUT_PRECISION)
-    dk_rows = (row0_kv + offs_n)[:, None]
-    tl.store(dK + dk_rows * stride_dk_row + kv_head * stride_dk_head + offs_d[None, :],
-             (dk * scale).to(dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dV + dk_rows * stride_dv_row + kv_head * stride_dv_head + offs_d[None, :],
-             dv.to(dV.dtype.element_ty), mask=kv_mask)
+    store_rows(dK + row0_kv * stride_dk_row + kv_head * stride_dk_head, k_start, stride_dk_row, key_ok, dk * scale,
+               HEAD_DIM, BLOCK_D, BLOCK_N)
+    store_rows(dV + row0_kv * stride_dv_row + kv_head * stride_dv_head, k_start, stride_dv_row, key_ok, dv,
+               HEAD_DIM, BLOCK_D, BLOCK_N)
 
 
 @triton.jit
@@ -164,17 +159,11 @@ def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row
                         HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Add the contributions of key blocks ``n_from, n_from + BLOCK_N, ... < n_to`` to dQ."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     for n_start in range(n_from, n_to, BLOCK_N):
         keys = n_start + offs_n
-        if MASKED:
-            kv_mask = (keys < len_kv)[:, None] & d_ok[None, :]
-        else:
-            kv_mask = d_ok[None, :]
-        rows = keys.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows * stride_k_row + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows * stride_v_row + offs_d[None, :], mask=kv_mask, other=0.0)
+        key_ok = keys < len_kv  # unmasked blocks lie inside [0, len_kv): no row check there
+        k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
+        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
@@ -207,12 +196,11 @@ def bwd_dq_kernel(
         return
     kv_head = head // group_size
     offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < len_q
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_rows = (row0_q + offs_m)[:, None]
-    q = tl.load(Q + q_rows * stride_q_row + head * stride_q_head + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(dOut + q_rows * stride_do_row + head * stride_do_head + offs_d[None, :], mask=mask, other=0.0)
+    q = load_rows(Q + row0_q * stride_q_row + head * stride_q_head, q_start, stride_q_row, row_ok,
+                  HEAD_DIM, BLOCK_D, BLOCK_M, True)
+    do = load_rows(dOut + row0_q * stride_do_row + head * stride_do_head, q_start, stride_do_row, row_ok,
+                   HEAD_DIM, BLOCK_D, BLOCK_M, True)
     at = head.to(tl.int64) * stride_lse_head + row0_q + offs_m
     lse = tl.load(Lse + at, mask=row_ok, other=float("inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no visible key: P = 0
@@ -233,5 +221,5 @@ def bwd_dq_kernel(
                              n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                              chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                              TOP_LEFT, INPUT_PRECISION)
-    tl.store(dQ + q_rows * stride_dq_row + head * stride_dq_head + offs_d[None, :],
-             (dq * scale).to(dQ.dtype.element_ty), mask=mask)
+    store_rows(dQ + row0_q * stride_dq_row + head * stride_dq_head, q_start, stride_dq_row, row_ok, dq * scale,
+               HEAD_DIM, BLOCK_D, BLOCK_M)

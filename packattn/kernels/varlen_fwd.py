@@ -22,9 +22,9 @@ GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repea
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_mask import visible_tile
+from packattn.kernels.varlen_common import load_rows, store_rows, visible_tile
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -36,17 +36,11 @@ def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_
                        HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Fold key blocks starting at ``n_from, n_from + BLOCK_N, ... < n_to`` into the running softmax."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     for n_start in range(n_from, n_to, BLOCK_N):
         keys = n_start + offs_n
-        if MASKED:
-            kv_mask = (keys < len_kv)[:, None] & d_ok[None, :]
-        else:  # unmasked blocks lie inside [0, len_kv)
-            kv_mask = d_ok[None, :]
-        rows = keys.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows * stride_k_row + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows * stride_v_row + offs_d[None, :], mask=kv_mask, other=0.0)
+        key_ok = keys < len_kv  # unmasked blocks lie inside [0, len_kv): no row check there
+        k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
+        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
         if MASKED:
             ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
@@ -92,11 +86,9 @@ def varlen_fwd_kernel(
     kv_head = head // group_size
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_rows = (row0_q + offs_m)[:, None]
     row_ok = offs_m < len_q
-    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + q_rows * stride_q_row + head * stride_q_head + offs_d[None, :], mask=q_mask, other=0.0)
+    q = load_rows(Q + row0_q * stride_q_row + head * stride_q_head, q_start, stride_q_row, row_ok,
+                  HEAD_DIM, BLOCK_D, BLOCK_M, True)
 
     k_base = K + row0_kv * stride_k_row + kv_head * stride_k_head
     v_base = V + row0_kv * stride_v_row + kv_head * stride_v_head
@@ -121,6 +113,6 @@ def varlen_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    tl.store(Out + q_rows * stride_o_row + head * stride_o_head + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=q_mask)
+    store_rows(Out + row0_q * stride_o_row + head * stride_o_head, q_start, stride_o_row, row_ok, out,
+               HEAD_DIM, BLOCK_D, BLOCK_M)
     tl.store(Lse + head.to(tl.int64) * stride_lse_head + row0_q + offs_m, lse, mask=row_ok)

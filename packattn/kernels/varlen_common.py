@@ -1,4 +1,5 @@
-"""In-kernel twin of `packattn.mask.key_range` (the formulas must stay identical to mask.py).
+"""Helpers shared by the varlen kernels: tile loads, and the in-kernel twin of
+`packattn.mask.key_range` (its formulas must stay identical to mask.py).
 
 A query aligned at key position ``a`` (``a = i + offset``, offset ``len_kv - len_q`` for
 bottom-right alignment, 0 for top-left) sees keys ``[lo, hi)``::
@@ -20,10 +21,10 @@ import triton.language as tl
 @triton.jit
 def aligned_offset(len_q, len_kv, TOP_LEFT: tl.constexpr):
     """``a(i) = i + aligned_offset``: bottom-right ``len_kv - len_q``, top-left 0."""
+    off = len_kv - len_q
     if TOP_LEFT:
-        return len_q * 0
-    else:
-        return len_kv - len_q
+        off = off * 0
+    return off
 
 
 @triton.jit
@@ -64,3 +65,42 @@ def visible_tile_keys_by_queries(offs_k, offs_q, len_q, len_kv, window_left, win
     lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
     ok = (offs_k[:, None] >= lo[None, :]) & (offs_k[:, None] < hi[None, :])
     return ok & (offs_q < len_q)[None, :]
+
+
+@triton.jit
+def _tile_pointers(base, first_row, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pointers to rows ``first_row ...`` of a row-major tile: one 64-bit base per tile, 32-bit
+    offsets inside it (fewer registers than 64-bit offsets per element)."""
+    rows = tl.arange(0, BLOCK_ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    return base + tl.cast(first_row, tl.int64) * stride_row + (rows[:, None] * stride_row + offs_d[None, :])
+
+
+@triton.jit
+def load_rows(base, first_row, stride_row, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The ``(BLOCK_ROWS, BLOCK_D)`` tile of rows ``first_row + i`` (``base[row * stride_row + d]``), zero
+    past ``HEAD_DIM`` and, when ``CHECK_ROWS``, where ``row_ok`` is False. Unchecked full-width tiles
+    load without a mask."""
+    ptrs = _tile_pointers(base, first_row, stride_row, BLOCK_ROWS, BLOCK_D)
+    d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def store_rows(base, first_row, stride_row, row_ok, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr):
+    """Store ``tile`` (cast to the element type of ``base``) to the rows of `load_rows` where ``row_ok``."""
+    ptrs = _tile_pointers(base, first_row, stride_row, BLOCK_ROWS, BLOCK_D)
+    mask = row_ok[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)

@@ -1,0 +1,394 @@
+"""Triton varlen flash attention: tile tables, launchers, ``torch.library`` custom ops, the backend.
+
+Kernels live in `packattn.kernels.varlen_fwd` / `varlen_bwd`. Per batch (cached on the `Varlen`
+through `Varlen.cached`, keyed by mask and block sizes) the launcher builds *tile tables* with
+device ops only: one int32 row ``[seq, start, lo, mid_lo, mid_hi, hi]`` per (sequence, block),
+with the block's visible range on the other side from `packattn.mask` (`block_key_range` for
+query tiles, `block_query_range` for key tiles) and the fully visible band ``[mid_lo, mid_hi)``
+that needs no element mask. The number of tiles is bounded on the host by
+``cdiv(total, BLOCK) + num_seqs`` (no sync); surplus rows have ``seq = -1`` and their programs
+exit. Rows are sorted longest-range-first so long documents do not start last.
+
+The forward and backward are ``torch.library.custom_op``s (``packattn::varlen_fwd`` /
+``packattn::varlen_bwd``) with fake implementations and registered autograd, so torch.compile
+keeps them in one graph. The backward is deterministic by construction (no atomics; see
+`packattn.kernels.varlen_bwd`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
+exact float32 products (no TF32), slower than TF32 on tensor cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from packattn import mask as masks
+from packattn.backends.base import Backend, Problem
+from packattn.varlen import Varlen
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TILE_FIELDS = 6  # seq, start, lo, mid_lo, mid_hi, hi
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (must be set before the kernel modules are imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- launch configurations
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # queries per block
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+
+
+# (kernel, padded head dim BLOCK_D) -> config. fwd and dq run per query tile, dkdv per key tile.
+# For H100/H200, not timed: chosen by compiling for sm_90a without a GPU (scripts/check_triton_compile.py)
+# to keep shared memory well under 227 KiB and ptxas spills small (all use 255 registers).
+HOPPER_CONFIGS = {
+    ("fwd", 32): LaunchConfig(128, 128, 4, 3),
+    ("fwd", 64): LaunchConfig(128, 128, 8, 3),
+    ("fwd", 128): LaunchConfig(128, 64, 8, 3),
+    ("fwd", 256): LaunchConfig(64, 32, 8, 2),
+    ("dq", 32): LaunchConfig(128, 64, 8, 2),
+    ("dq", 64): LaunchConfig(128, 64, 8, 2),
+    ("dq", 128): LaunchConfig(128, 32, 8, 2),
+    ("dq", 256): LaunchConfig(64, 16, 8, 1),
+    ("dkdv", 32): LaunchConfig(32, 128, 8, 2),
+    ("dkdv", 64): LaunchConfig(32, 128, 8, 2),
+    ("dkdv", 128): LaunchConfig(16, 128, 8, 2),
+    ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
+}
+# other CUDA GPUs (Ampere/Ada: less shared memory)
+FALLBACK_CONFIGS = {
+    ("fwd", 128): LaunchConfig(64, 64, 4, 2),
+    ("fwd", 256): LaunchConfig(64, 32, 4, 1),
+    ("dq", 128): LaunchConfig(64, 32, 4, 2),
+    ("dq", 256): LaunchConfig(32, 32, 4, 1),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
+    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
+}
+# float32 inputs (IEEE dots: no tensor cores, twice the bytes per tile) on any CUDA GPU
+FP32_CONFIGS = {
+    ("fwd", 128): LaunchConfig(64, 32, 4, 2),
+    ("fwd", 256): LaunchConfig(32, 32, 4, 1),
+    ("dq", 128): LaunchConfig(64, 32, 4, 2),
+    ("dq", 256): LaunchConfig(32, 32, 4, 1),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
+    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
+}
+# Triton's interpreter: small blocks, deliberately different M and N so mix-ups show in tests
+INTERPRETER_CONFIGS = {"fwd": LaunchConfig(32, 16, 1, 1), "dq": LaunchConfig(32, 16, 1, 1),
+                       "dkdv": LaunchConfig(16, 32, 1, 1)}
+PREPROCESS_BLOCK_M = 64
+_reduced_stages: dict = {}  # launches that ran out of shared memory -> num_stages that fit
+
+
+def block_d(head_dim: int) -> int:
+    return 1 << (head_dim - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Block sizes and launch options of ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
+    same block sizes, so both sides call this."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_CONFIGS[kernel]
+    bd = block_d(head_dim)
+    if dtype == torch.float32:
+        table = FP32_CONFIGS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        table = HOPPER_CONFIGS if _is_hopper(index) else FALLBACK_CONFIGS
+    return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
+
+
+@functools.lru_cache(maxsize=None)
+def _fix_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with ``int(ndarray of shape (1,))``, which
+    numpy >= 2.4 refuses, so ``range(lo, hi, BLOCK)`` over loaded bounds fails there
+    (triton-lang/triton#9171, fixed upstream the same way). Interpreter only; no effect on GPU code."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.zeros(1, dtype=np.int32))
+        return  # this numpy still converts size-1 arrays
+    except TypeError:
+        pass
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _launch(kernel, grid, args, constexprs, config: LaunchConfig):
+    """Launch; when a configuration runs out of shared memory, retry with fewer pipeline stages."""
+    if grid[0] == 0:
+        return
+    if interpreting():
+        _fix_interpreter_loop_bounds()
+    from triton.runtime.errors import OutOfResources
+
+    key = (getattr(kernel, "fn", kernel).__name__, tuple(sorted(constexprs.items())))
+    stages = _reduced_stages.get(key, config.num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **constexprs, num_warps=config.num_warps, num_stages=stages)
+            return
+        except OutOfResources as e:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _reduced_stages[key] = stages
+            warnings.warn(f"packattn triton: {e}; retrying with num_stages={stages}", stacklevel=2)
+
+
+# ---------------------------------------------------------------- tile tables (per batch, device ops only)
+def build_tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, step: int) -> torch.Tensor:
+    """``int32 (cdiv(total, block) + num_seqs, 6)`` rows ``[seq, start, lo, mid_lo, mid_hi, hi]``.
+
+    Query tiles (``by_keys=False``): ``block`` queries from ``start``; keys ``[lo, hi)`` may be
+    visible; key blocks ``mid_lo, mid_lo + step, ... < mid_hi`` are visible to every query.
+    Key tiles (``by_keys=True``): the same with the roles of queries and keys swapped.
+    """
+    n = seqs.num_seqs
+    total = seqs.total_kv if by_keys else seqs.total_q
+    bound = -(-total // block) + n
+    device = seqs.device
+    if n == 0:
+        return torch.full((bound, TILE_FIELDS), -1, dtype=torch.int32, device=device)
+    len_q, len_kv = seqs.seqlens_q.long(), seqs.seqlens_kv.long()
+    own_len = len_kv if by_keys else len_q
+    blocks = (own_len + block - 1) // block
+    ends = torch.cumsum(blocks, 0)
+    tile = torch.arange(bound, device=device)
+    seq = torch.searchsorted(ends, tile, right=True)
+    real = seq < n
+    seq = seq.clamp(max=n - 1)
+    start = (tile - ends[seq] + blocks[seq]) * block
+    lq, lk = len_q[seq], len_kv[seq]
+    if by_keys:
+        lo, hi, full_lo, full_hi = masks.block_query_range(mask, start, torch.minimum(start + block, lk), lq, lk)
+    else:
+        lo, hi, full_lo, full_hi = masks.block_key_range(mask, start, torch.minimum(start + block, lq), lq, lk)
+    # Rows past the real end of a partial tile are never stored, and each stored row only depends
+    # on its own (row, other side) pairs, so the band is computed from the real rows alone.
+    empty = (lo >= hi) | ~real
+    lo = torch.where(empty, 0, lo)
+    hi = torch.where(empty, 0, hi)
+    # the band: blocks on the grid lo + i * step lying entirely inside [full_lo, full_hi)
+    mid_lo = lo + (full_lo - lo).clamp(min=0).add(step - 1).div(step, rounding_mode="floor") * step
+    band_blocks = (full_hi - mid_lo).clamp(min=0).div(step, rounding_mode="floor")
+    has_band = ~empty & (full_lo < full_hi) & (band_blocks > 0)
+    mid_hi = torch.where(has_band, mid_lo + band_blocks * step, hi)
+    mid_lo = torch.where(has_band, mid_lo, hi)
+    seq = torch.where(real, seq, -1)
+    work = torch.where(real, hi - lo, -1)
+    order = torch.argsort(work, descending=True, stable=True)  # longest first, surplus last
+    table = torch.stack([seq, start, lo, mid_lo, mid_hi, hi], dim=1)[order]
+    return table.to(torch.int32).contiguous()
+
+
+def tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, step: int) -> torch.Tensor:
+    key = ("triton_varlen_tiles", mask, by_keys, block, step)
+    return seqs.cached(key, lambda: build_tile_table(seqs, mask, by_keys, block, step))
+
+
+# ---------------------------------------------------------------- launchers
+def _mask_constexprs(window_left: int, window_right: int, chunk_size: int, top_left: bool) -> dict:
+    return {"HAS_LEFT": window_left >= 0, "HAS_RIGHT": window_right >= 0, "HAS_CHUNK": chunk_size > 0,
+            "TOP_LEFT": top_left}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@torch.library.custom_op("packattn::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
+    q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
+    scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
+    padded_q: bool, padded_kv: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` are only carried for the backward."""
+    from packattn.kernels.varlen_fwd import varlen_fwd_kernel
+
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    # rows in no sequence are never written by the kernel: they must start as zeros / -inf
+    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)  # contiguous, as the fake says
+    lse = torch.full((heads_q, total_q), float("-inf"), device=q.device, dtype=torch.float32) if padded_q \
+        else torch.empty((heads_q, total_q), device=q.device, dtype=torch.float32)
+    config = launch_config("fwd", head_dim, q.dtype, q.device)
+    args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            heads_q, heads_q // heads_kv, scale * 1.4426950408889634, window_left, window_right, chunk_size)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      INPUT_PRECISION=_precision(q.dtype),
+                      **_mask_constexprs(window_left, window_right, chunk_size, top_left))
+    _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
+    return out, lse
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, *rest):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("packattn::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
+    dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
+    scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
+    padded_q: bool, padded_kv: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``, deterministic (fixed reduction order, no atomics)."""
+    from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    lse = lse.contiguous()
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    group = heads_q // heads_kv
+    bd = block_d(head_dim)
+    delta = torch.empty_like(lse)
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else delta  # placeholder pointer when there is no dlse
+    pre_grid = (-(-total_q // PREPROCESS_BLOCK_M), heads_q)
+    if pre_grid[0] > 0:
+        bwd_preprocess_kernel[pre_grid](out, dout, lse, dlse, delta, total_q, out.stride(0), out.stride(1),
+                                        dout.stride(0), dout.stride(1), delta.stride(0), HEAD_DIM=head_dim,
+                                        BLOCK_D=bd, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=has_dlse)
+    dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)  # contiguous, as the fake says
+    dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
+    dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
+    mask_args = (window_left, window_right, chunk_size)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, INPUT_PRECISION=_precision(q.dtype),
+                  **_mask_constexprs(window_left, window_right, chunk_size, top_left))
+    seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
+    qkv_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   dout.stride(0), dout.stride(1))
+    scale_log2 = scale * 1.4426950408889634
+
+    config = launch_config("dkdv", head_dim, q.dtype, q.device)
+    args = (q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, *seq_args, *qkv_strides,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            heads_kv, group, scale_log2, scale, *mask_args)
+    _launch(bwd_dkdv_kernel, (dkdv_tiles.shape[0] * heads_kv,), args,
+            dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
+
+    config = launch_config("dq", head_dim, q.dtype, q.device)
+    args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *qkv_strides,
+            dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale_log2, scale, *mask_args)
+    _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
+            dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
+    return dq, dk, dv
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles)
+    ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
+                            dq_tiles, dkdv_tiles, *ctx.options)
+    return (dq, dk, dv) + (None,) * 14
+
+
+varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- backend
+class TritonVarlenBackend(Backend):
+    """Our Triton kernels: varlen/dense, causal (both alignments), windows, chunks, GQA/MQA,
+    padding between sequences, lse, deterministic backward."""
+
+    name = "triton"
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e})"
+        if not torch.cuda.is_available() and not interpreting():
+            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+        return None
+
+    def unsupported(self, params) -> str | None:
+        if params.device_type == "cpu":
+            if not interpreting():
+                return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
+        elif params.device_type != "cuda":
+            return f"needs CUDA tensors, got {params.device_type}"
+        if params.kind == "tree":
+            return "tree descriptors are handled by the tree kernels"
+        if params.dtype not in DTYPES:
+            return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
+        if params.head_dim != params.head_dim_v:
+            return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
+        if params.head_dim not in HEAD_DIMS:
+            return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
+        return None  # the backward is deterministic by construction, so deterministic=True is fine
+
+    def auto_skip(self, params) -> str | None:
+        if params.device_type == "cpu":
+            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='triton'"
+        return None
+
+    def run(self, problem: Problem):
+        q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
+        head_dim = q.shape[-1]
+        fwd = launch_config("fwd", head_dim, q.dtype, q.device)
+        q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
+            dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)
+            dkdv_tiles = tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
+        else:
+            dq_tiles = dkdv_tiles = q_tiles[:0]
+        rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q
+        rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
+        out, lse = torch.ops.packattn.varlen_fwd(
+            q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles,
+            problem.scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
+            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
+        )
+        return out, (lse if problem.return_lse else None)

@@ -1,0 +1,94 @@
+"""Compile the Triton varlen kernels for a GPU architecture on a machine without a GPU, with the
+launch configurations of `packattn.backends.triton_varlen`, and print each kernel's shared memory
+and ptxas register / spill counts. Catches compile errors and oversized configs before a GPU run.
+
+    python scripts/check_triton_compile.py --arch 90 --dtypes bf16 --head-dims 128 --mask R
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real: the kernels must not be interpreted
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from packattn.backends import triton_varlen as tv  # noqa: E402
+from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
+from packattn.kernels.varlen_fwd import varlen_fwd_kernel  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),
+           "dq": (bwd_dq_kernel, ("Q", "K", "V", "dOut", "dQ")),
+           "dkdv": (bwd_dkdv_kernel, ("Q", "K", "V", "dOut", "dK", "dV"))}
+SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
+
+
+def config_for(kernel: str, head_dim: int, dtype: torch.dtype, arch: int) -> tv.LaunchConfig:
+    bd = tv.block_d(head_dim)
+    table = tv.FP32_CONFIGS if dtype == torch.float32 else (tv.HOPPER_CONFIGS if arch == 90 else tv.FALLBACK_CONFIGS)
+    return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
+
+
+def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask: str):
+    fn, io_names = KERNELS[kernel]
+    config = config_for(kernel, head_dim, DTYPES[dtype_name], arch)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=tv.block_d(head_dim), BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask,
+                      TOP_LEFT="T" in mask, INPUT_PRECISION="ieee" if dtype_name == "fp32" else "tf32")
+    pointers = {name: "*" + dtype_name for name in io_names}
+    pointers.update(Lse="*fp32", Delta="*fp32", tiles="*i32", cu_seqlens_q="*i32", cu_seqlens_kv="*i32",
+                    row_offsets_q="*i32", row_offsets_kv="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name) or
+                 ("fp32" if name in ("qk_scale_log2", "scale") else "i32") for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return config, compiled
+
+
+def ptxas_report(ptx: str, arch: int) -> str:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    done = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if "registers" in line or "spill" in line]
+    return " | ".join(lines) or done.stderr.strip()[-300:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(tv.HEAD_DIMS))
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--mask", default="R", help="rules compiled in: L(eft window) R(ight/causal) C(hunk) T(op-left)")
+    parser.add_argument("--no-ptxas", action="store_true", help="skip the register/spill report")
+    args = parser.parse_args()
+    failures = 0
+    for dtype_name in args.dtypes:
+        for head_dim in args.head_dims:
+            for kernel in args.kernels:
+                try:
+                    config, compiled = compile_kernel(kernel, dtype_name, head_dim, args.arch, args.mask)
+                except Exception as e:  # report and go on
+                    failures += 1
+                    print(f"{dtype_name} d={head_dim} {kernel}: FAILED {type(e).__name__}: {str(e)[-400:]}", flush=True)
+                    continue
+                shared = compiled.metadata.shared
+                over = " OVER THE SHARED MEMORY LIMIT" if shared > SHARED_LIMIT.get(args.arch, 232448) else ""
+                regs = "" if args.no_ptxas else " " + ptxas_report(compiled.asm["ptx"], args.arch)
+                print(f"{dtype_name} d={head_dim} {kernel}: {config} shared={shared}{over}{regs}", flush=True)
+                failures += bool(over)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

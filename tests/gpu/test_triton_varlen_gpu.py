@@ -1,0 +1,162 @@
+"""Full-size checks of the Triton varlen kernels on a GPU (skipped without CUDA by tests/gpu/conftest.py).
+
+Workloads follow shared/workloads.md (W1 varlen MHA, W2 GQA, W3 padded, W4 chunked, W5 window);
+each forward + backward is compared with the reference backend computed in float32 from the
+upcast inputs, by relative L2 error (< 1e-2 for bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import packattn
+from packattn.varlen import Varlen
+
+TOTAL = 32768
+
+
+def doc_lengths(total: int, seed: int) -> list[int]:
+    """L = int(exp(U(log 128, log 8192))), one ``uniform_`` of one element per draw; the last is clipped."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, used = [], 0
+    while used < total:
+        u = torch.empty(1).uniform_(math.log(128), math.log(8192), generator=gen).item()
+        n = min(int(math.exp(u)), total - used)
+        lengths.append(n)
+        used += n
+    return lengths
+
+
+def inputs(seqs: Varlen, heads_q: int, heads_kv: int, head_dim: int = 128, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(rows, heads):
+        return torch.randn(rows, heads, head_dim, device="cuda", generator=gen).to(dtype).requires_grad_()
+
+    q, k, v = rand(seqs.total_q, heads_q), rand(seqs.total_kv, heads_kv), rand(seqs.total_kv, heads_kv)
+    dout = torch.randn(seqs.total_q, heads_q, head_dim, device="cuda", generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def forward_backward(q, k, v, dout, seqs, backend, **opts):
+    out, lse = packattn.attention(q, k, v, seqs, backend=backend, return_lse=True, **opts)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def reference_fp32(q, k, v, dout, seqs, **opts):
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    return forward_backward(*leaves, dout.float(), seqs, "reference", **opts)
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_against_reference(q, k, v, dout, seqs, tol=1e-2, ref_seqs=None, ref_opts=None, **opts):
+    """Triton vs the float32 reference (on ``ref_seqs`` with ``ref_opts`` when given: an equivalent problem)."""
+    got = forward_backward(q, k, v, dout, seqs, "triton", **opts)
+    ref = reference_fp32(q, k, v, dout, ref_seqs or seqs, **(opts if ref_opts is None else ref_opts))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, g in zip(names, got):
+        assert not torch.isnan(g).any(), f"{name} has NaN"
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(ref[1])), "lse = -inf on the wrong rows"
+    errors = {name: rel_l2(g[finite] if name == "lse" else g, r[finite] if name == "lse" else r)
+              for name, g, r in zip(names, got, ref)}
+    assert all(e < tol for e in errors.values()), errors
+    return got
+
+
+@pytest.fixture(scope="module")
+def w1_lengths():
+    lengths = doc_lengths(TOTAL, seed=0)
+    assert sum(lengths) == TOTAL
+    return lengths
+
+
+def test_w1_varlen_mha(w1_lengths):
+    seqs = Varlen.from_lengths(w1_lengths, device="cuda")
+    check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True)
+
+
+def test_w2_varlen_gqa(w1_lengths):
+    seqs = Varlen.from_lengths(w1_lengths, device="cuda")
+    check_against_reference(*inputs(seqs, 32, 8), seqs, causal=True)
+
+
+def test_w3_padded(w1_lengths):
+    seqs = Varlen.from_lengths(w1_lengths, pad_to_multiple=64, device="cuda")
+    assert seqs.total_q > TOTAL
+    out, lse, dq, dk, dv = check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True)
+    padding = seqs.row_map_q()[0] < 0
+    for t in (out, dq, dk, dv):
+        assert torch.equal(t[padding], torch.zeros_like(t[padding]))
+    assert torch.isneginf(lse[:, padding]).all()
+
+
+def test_w4_chunked_one_document():
+    # chunk 8192 of one 32768-token document == 4 causal documents of 8192 (checked on the reference)
+    seqs = Varlen.from_lengths([TOTAL], device="cuda")
+    ref_seqs = Varlen.from_lengths([8192] * 4, device="cuda")
+    check_against_reference(*inputs(seqs, 16, 16), seqs, ref_seqs=ref_seqs, ref_opts={"causal": True},
+                            causal=True, chunk_size=8192)
+
+
+def test_w5_sliding_window(w1_lengths):
+    seqs = Varlen.from_lengths(w1_lengths, device="cuda")
+    check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True, window=(1024, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048, 300], [900, 5, 40, 517, 2000, 301], pad_to_multiple=16,
+                               device="cuda")
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # float32 dots are IEEE (no TF32)
+    check_against_reference(*inputs(seqs, 8, 2, head_dim, dtype), seqs, tol=tol, causal=True, window=(700, 0))
+
+
+@pytest.mark.parametrize("opts", [{"causal": "top_left"}, {"chunk_size": 300}, {"window": (200, 64)}, {}],
+                         ids=["top_left", "chunk", "window_both_sides", "full"])
+def test_cross_attention_masks(opts):
+    seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048], [700, 5, 40, 1500, 2048], device="cuda")
+    check_against_reference(*inputs(seqs, 8, 4), seqs, **opts)
+
+
+def test_backward_is_bitwise_deterministic(w1_lengths):
+    seqs = Varlen.from_lengths(w1_lengths, pad_to_multiple=64, device="cuda")
+    q, k, v, dout = inputs(seqs, 32, 8)
+    first = forward_backward(q, k, v, dout, seqs, "triton", causal=True, deterministic=True)
+    second = forward_backward(q, k, v, dout, seqs, "triton", causal=True, deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_no_host_sync_in_forward_and_backward(w1_lengths):
+    warm = Varlen.from_lengths([300, 200], device="cuda")  # compile the kernels outside the check
+    forward_backward(*inputs(warm, 16, 4), warm, "triton", causal=True)
+    seqs = Varlen.from_lengths(w1_lengths, pad_to_multiple=64, device="cuda")
+    q, k, v, dout = inputs(seqs, 16, 4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward_backward(q, k, v, dout, seqs, "triton", causal=True, window=(1024, 0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_auto_dispatch_picks_triton_on_cuda(w1_lengths):
+    from packattn import dispatch
+
+    seqs = Varlen.from_lengths(w1_lengths[:4], device="cuda")
+    q, k, v, _ = inputs(seqs, 16, 16)
+    reasons = dict(dispatch.reasons(dispatch.Params(
+        device_type="cuda", dtype=q.dtype, heads_q=16, heads_kv=16, head_dim=128, head_dim_v=128, kind="varlen",
+        pad_between_seqs=False, is_self=True, host_lengths=True, max_seqlen_q=17, max_seqlen_kv=17,
+        mask=packattn.Mask.make(causal=True), return_lse=False, deterministic=False, requires_grad=True)))
+    assert reasons["triton"] is None, reasons

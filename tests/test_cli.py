@@ -1,0 +1,38 @@
+"""`packattn info | demo` through `packattn.cli.main`."""
+
+import pytest
+
+from packattn import __version__, cli
+from packattn.backends import REGISTRY
+
+
+def test_info_lists_every_backend(capsys):
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert f"packattn: {__version__}" in text and "torch:" in text and "device:" in text
+    lines = text.splitlines()
+    for backend in REGISTRY:
+        line = next((ln for ln in lines if ln.split()[:1] == [backend.name]), None)
+        assert line is not None, f"{backend.name} missing from:\n{text}"
+        why = backend.unavailable()
+        assert ("available" if why is None else f"unavailable: {why}") in line
+    assert any(ln.split()[:2] == ["reference", "available"] for ln in lines)
+
+
+def test_demo_small(capsys, monkeypatch):
+    # as a user runs it on CPU: without Triton's interpreter (conftest turns it on for the kernel
+    # tests; the demo would then time the interpreted kernels, minutes per case)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["demo", "--size", "small"]) == 0
+    text = capsys.readouterr().out
+    assert "all backends agree with the reference" in text
+    assert "MISMATCH" not in text and "error:" not in text
+
+
+def test_bad_command_lines_exit_with_usage():
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--size", "huge"])
+    assert info.value.code == 2

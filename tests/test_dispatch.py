@@ -1,0 +1,213 @@
+"""Backend selection on CPU: auto, PACKATTN_BACKEND / PACKATTN_DISABLE, reasons, DEBUG logs, the cache."""
+
+import logging
+
+import pytest
+import torch
+
+from packattn import NoBackendError, Varlen, attention, dispatch
+from packattn.backends import REGISTRY
+from packattn.mask import Mask
+
+CPU_BACKENDS = {"sdpa", "reference"}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("PACKATTN_BACKEND", raising=False)
+    monkeypatch.delenv("PACKATTN_DISABLE", raising=False)
+    dispatch.clear_cache()
+    yield monkeypatch
+    dispatch.clear_cache()
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Records the name of every backend whose run() is called."""
+    calls = []
+    for backend in REGISTRY:
+        original = backend.run
+
+        def run(problem, _name=backend.name, _original=original):
+            calls.append(_name)
+            return _original(problem)
+
+        monkeypatch.setattr(backend, "run", run)
+    return calls
+
+
+def params(**overrides):
+    base = dict(
+        device_type="cpu", dtype=torch.float32, heads_q=4, heads_kv=2, head_dim=32, head_dim_v=32, kind="varlen",
+        pad_between_seqs=False, is_self=True, host_lengths=True, max_seqlen_q=17, max_seqlen_kv=17,
+        mask=Mask.make(causal=True), return_lse=False, deterministic=False, requires_grad=False,
+    )
+    base.update(overrides)
+    return dispatch.Params(**base)
+
+
+def inputs(lengths=(5, 0, 9), heads=(4, 2), d=32):
+    seqs = Varlen.from_lengths(list(lengths))
+    torch.manual_seed(0)
+    q = torch.randn(seqs.total_q, heads[0], d)
+    k, v = torch.randn(seqs.total_kv, heads[1], d), torch.randn(seqs.total_kv, heads[1], d)
+    return q, k, v, seqs
+
+
+def first_capable(listing):
+    return next(name for name, why in listing if why is None)
+
+
+# ------------------------------------------------------------------------------------ auto
+def test_auto_picks_the_first_capable_backend(ran):
+    p = params()
+    listing = dispatch.reasons(p)
+    assert [name for name, _ in listing] == [b.name for b in REGISTRY]  # every backend, in priority order
+    chosen = dispatch.select(p)
+    assert chosen.name == first_capable(listing) and chosen.name in CPU_BACKENDS
+    # every backend ahead of it says why it was skipped
+    for name, why in listing[: [n for n, _ in listing].index(chosen.name)]:
+        assert isinstance(why, str) and why, name
+    q, k, v, seqs = inputs()
+    out = attention(q, k, v, seqs, causal=True)
+    assert ran == [chosen.name]
+    ref = attention(q, k, v, seqs, causal=True, backend="reference")
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def test_cuda_backends_say_they_need_cuda():
+    reasons = dict(dispatch.reasons(params()))
+    for name in ("torch_varlen", "flex"):
+        assert name in reasons, name
+        assert "needs CUDA" in reasons[name], (name, reasons[name])
+    for name in CPU_BACKENDS:
+        assert reasons[name] is None
+
+
+def test_explicit_backend_request(ran):
+    q, k, v, seqs = inputs()
+    attention(q, k, v, seqs, backend="reference")
+    attention(q, k, v, seqs, backend="sdpa")
+    assert ran == ["reference", "sdpa"]
+    listing = dict(dispatch.reasons(params(), "reference"))
+    assert listing["reference"] is None
+    assert listing["sdpa"] == "not the requested backend (reference)"
+
+
+def test_return_lse_excludes_sdpa_with_a_reason(ran):
+    reasons = dict(dispatch.reasons(params(return_lse=True)))
+    assert reasons["sdpa"] == "SDPA does not return the log-sum-exp"
+    assert dispatch.select(params(return_lse=True)).name == "reference"
+    q, k, v, seqs = inputs()
+    out, lse = attention(q, k, v, seqs, return_lse=True)
+    assert ran == ["reference"] and lse.shape == (4, seqs.total_q)
+
+
+def test_sdpa_needs_host_lengths():
+    assert dict(dispatch.reasons(params(host_lengths=False)))["sdpa"] == "per-sequence SDPA needs host lengths in the descriptor"
+    assert dict(dispatch.reasons(params(host_lengths=False, kind="dense")))["sdpa"] is None
+
+
+def test_tree_descriptors_have_no_cpu_backend():
+    with pytest.raises(NoBackendError) as info:
+        dispatch.select(params(kind="tree"))
+    assert "reference: tree descriptors are not handled by the reference backend yet" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------ environment
+def test_packattn_backend_forces_one(clean_env, ran):
+    clean_env.setenv("PACKATTN_BACKEND", "reference")
+    assert dispatch.select(params()).name == "reference"
+    listing = dict(dispatch.reasons(params()))
+    assert listing["sdpa"] == "not the requested backend (reference) from PACKATTN_BACKEND"
+    q, k, v, seqs = inputs()
+    attention(q, k, v, seqs)
+    attention(q, k, v, seqs, backend="sdpa")  # the environment wins over the argument
+    assert ran == ["reference", "reference"]
+
+
+def test_packattn_backend_that_cannot_run(clean_env):
+    clean_env.setenv("PACKATTN_BACKEND", "sdpa")
+    with pytest.raises(NoBackendError, match=r"sdpa: SDPA does not return the log-sum-exp"):
+        dispatch.select(params(return_lse=True))
+
+
+def test_packattn_disable_skips_sdpa_and_logs_why(clean_env, ran, caplog):
+    assert dispatch.select(params()).name == "sdpa"  # what auto picks otherwise
+    clean_env.setenv("PACKATTN_DISABLE", "sdpa")
+    caplog.set_level(logging.DEBUG, logger="packattn.dispatch")
+    q, k, v, seqs = inputs()
+    attention(q, k, v, seqs, causal=True)
+    assert ran == ["reference"]
+    assert dict(dispatch.reasons(params()))["sdpa"] == "disabled by PACKATTN_DISABLE"
+    records = [r for r in caplog.records if r.name == "packattn.dispatch" and r.levelno == logging.DEBUG]
+    skipped = [r.getMessage() for r in records if "skipping" in r.getMessage()]
+    assert any("sdpa" in m and "disabled by PACKATTN_DISABLE" in m for m in skipped), skipped
+    # every backend ahead of the chosen one is logged with its reason
+    for b in REGISTRY[: [x.name for x in REGISTRY].index("reference")]:
+        assert any(f"backend {b.name}:" in m for m in skipped), (b.name, skipped)
+    assert any("using backend reference" in r.getMessage() for r in records)
+
+
+def test_packattn_disable_list_with_spaces(clean_env):
+    clean_env.setenv("PACKATTN_DISABLE", " sdpa , torch_varlen ,")
+    reasons = dict(dispatch.reasons(params()))
+    assert reasons["sdpa"] == reasons["torch_varlen"] == "disabled by PACKATTN_DISABLE"
+    assert dispatch.select(params()).name == "reference"
+
+
+def test_nothing_fits_lists_every_backend(clean_env):
+    clean_env.setenv("PACKATTN_DISABLE", "sdpa,reference")
+    with pytest.raises(NoBackendError) as info:
+        dispatch.select(params())
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert message.startswith("no packattn backend can run this call (varlen cpu float32 heads 4/2 d=32, causal)")
+    reasons = dict(dispatch.reasons(params()))
+    for backend in REGISTRY:
+        assert f"  {backend.name}: {reasons[backend.name]}" in message
+    assert "  sdpa: disabled by PACKATTN_DISABLE" in message and "  reference: disabled by PACKATTN_DISABLE" in message
+    q, k, v, seqs = inputs()
+    with pytest.raises(NoBackendError, match="reference: disabled by PACKATTN_DISABLE"):
+        attention(q, k, v, seqs)
+
+
+# ------------------------------------------------------------------------------------ cache
+def test_cache_hits_and_env_changes(clean_env, monkeypatch):
+    p = params()
+    first = dispatch.select(p)
+    # a hit does not ask the backends again
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "reasons", lambda *a, **k: pytest.fail("cache miss"))
+        assert dispatch.select(p) is first
+        assert dispatch.select(params()) is first  # equal Params, new object
+    # environment changes are part of the key: no stale answer
+    clean_env.setenv("PACKATTN_DISABLE", first.name)
+    second = dispatch.select(p)
+    assert second.name != first.name
+    clean_env.delenv("PACKATTN_DISABLE")
+    assert dispatch.select(p) is first
+    clean_env.setenv("PACKATTN_BACKEND", "reference")
+    assert dispatch.select(p).name == "reference"
+
+
+def test_cache_distinguishes_params_and_requests():
+    assert dispatch.select(params()).name == "sdpa"
+    assert dispatch.select(params(return_lse=True)).name == "reference"
+    assert dispatch.select(params(), "reference").name == "reference"
+    assert dispatch.select(params()).name == "sdpa"
+
+
+def test_cache_is_bounded():
+    for n in range(dispatch._CACHE_SIZE + 20):
+        dispatch.select(params(head_dim=n + 1, head_dim_v=n + 1))
+    assert len(dispatch._cache) == dispatch._CACHE_SIZE
+    dispatch.clear_cache()
+    assert len(dispatch._cache) == 0
+
+
+def test_params_bucket_and_describe():
+    assert [dispatch.Params.bucket(n) for n in (0, 1, 16, 17, 18, 100000)] == [0, 1, 16, 17, 17, 17]
+    assert hash(params()) == hash(params()) and params() == params()
+    text = dispatch.describe(params(pad_between_seqs=True, return_lse=True, deterministic=True, dtype=torch.bfloat16))
+    assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic"
