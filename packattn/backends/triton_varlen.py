@@ -49,20 +49,22 @@ class LaunchConfig:
 
 
 # (kernel, padded head dim BLOCK_D) -> config. fwd and dq run per query tile, dkdv per key tile.
-# For H100/H200, not timed: chosen by compiling for sm_90a without a GPU (scripts/check_triton_compile.py)
-# to keep shared memory well under 227 KiB and ptxas spills small (all use 255 registers).
+# BLOCK_D 128 (head dims 96, 128): the best of a measured sweep on H200 (W1/W8, bf16,
+# benchmarks/results/2026-11-22/tune_v1_h200.txt; ptxas spill counts did not predict those timings).
+# Others not timed, only checked to compile for sm_90a and fit in shared memory without a GPU
+# (scripts/check_triton_compile.py).
 HOPPER_CONFIGS = {
     ("fwd", 32): LaunchConfig(128, 128, 4, 3),
     ("fwd", 64): LaunchConfig(128, 128, 8, 3),
-    ("fwd", 128): LaunchConfig(128, 64, 8, 3),
+    ("fwd", 128): LaunchConfig(128, 32, 4, 4),
     ("fwd", 256): LaunchConfig(64, 32, 8, 2),
     ("dq", 32): LaunchConfig(128, 64, 8, 2),
     ("dq", 64): LaunchConfig(128, 64, 8, 2),
-    ("dq", 128): LaunchConfig(128, 32, 8, 2),
+    ("dq", 128): LaunchConfig(128, 64, 8, 3),
     ("dq", 256): LaunchConfig(64, 16, 8, 1),
-    ("dkdv", 32): LaunchConfig(32, 128, 8, 2),
-    ("dkdv", 64): LaunchConfig(32, 128, 8, 2),
-    ("dkdv", 128): LaunchConfig(16, 128, 8, 2),
+    ("dkdv", 32): LaunchConfig(64, 128, 8, 2),
+    ("dkdv", 64): LaunchConfig(64, 128, 8, 2),
+    ("dkdv", 128): LaunchConfig(64, 128, 8, 3),
     ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
 }
 # other CUDA GPUs (Ampere/Ada: less shared memory)

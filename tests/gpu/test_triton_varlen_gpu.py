@@ -7,27 +7,14 @@ upcast inputs, by relative L2 error (< 1e-2 for bf16/fp16).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import packattn
+from packattn.bench.workloads import doc_lengths
 from packattn.varlen import Varlen
 
 TOTAL = 32768
-
-
-def doc_lengths(total: int, seed: int) -> list[int]:
-    """L = int(exp(U(log 128, log 8192))), one ``uniform_`` of one element per draw; the last is clipped."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths, used = [], 0
-    while used < total:
-        u = torch.empty(1).uniform_(math.log(128), math.log(8192), generator=gen).item()
-        n = min(int(math.exp(u)), total - used)
-        lengths.append(n)
-        used += n
-    return lengths
 
 
 def inputs(seqs: Varlen, heads_q: int, heads_kv: int, head_dim: int = 128, dtype=torch.bfloat16, seed: int = 0):
