@@ -20,12 +20,12 @@ class Unavailable(Exception):
     pass
 
 
-def ours(backend: str):
+def ours(backend: str, **flags):
     def factory(w: Workload, seqs):
         why = get_backend(backend).unavailable()
         if why:
             raise Unavailable(why)
-        return lambda q, k, v: packattn.attention(q, k, v, seqs, backend=backend, **w.options)
+        return lambda q, k, v: packattn.attention(q, k, v, seqs, backend=backend, **w.options, **flags)
 
     return factory
 
@@ -100,6 +100,7 @@ def fa4(w: Workload, seqs):
 
 IMPLS = {
     "packattn:triton": ours("triton"),
+    "packattn:triton_det": ours("triton", deterministic=True),
     "packattn:flex": ours("flex"),
     "torch_varlen": torch_varlen,
     "flex": flex,

@@ -34,7 +34,7 @@ def _ceilings(device) -> dict:
 
 def _inputs_for(w: Workload, impl: str, device):
     """Anchors that cannot take padding run on the unpadded data (workloads.md: W3's anchors)."""
-    if w.pad_to_multiple and impl != "packattn:triton" and not impl.startswith("packattn:"):
+    if w.pad_to_multiple and not impl.startswith("packattn:"):
         w = Workload(w.name, w.lengths_q, w.lengths_kv, w.heads_q, w.heads_kv, w.head_dim, w.options)
     seqs, q, k, v = w.make_inputs(device, torch.bfloat16, seed=0)
     return w, seqs, q, k, v
