@@ -11,7 +11,7 @@ exit. Rows are sorted longest-range-first so long documents do not start last.
 
 The forward and backward are ``torch.library.custom_op``s (``packattn::varlen_fwd`` /
 ``packattn::varlen_bwd``) with fake implementations and registered autograd, so torch.compile
-keeps them in one graph. With ``deterministic=True`` the backward has no atomics (see
+keeps them in one graph. The backward is deterministic by construction (no atomics; see
 `packattn.kernels.varlen_bwd`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
 exact float32 products (no TF32), slower than TF32 on tensor cores.
 """
@@ -232,7 +232,7 @@ def varlen_fwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
     q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-    padded_q: bool, padded_kv: bool, deterministic: bool,
+    padded_q: bool, padded_kv: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` are only carried for the backward."""
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
@@ -268,13 +268,12 @@ def varlen_bwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
     dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-    padded_q: bool, padded_kv: bool, deterministic: bool,
+    padded_q: bool, padded_kv: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)``. Deterministic: dK/dV pass + separate dQ pass (fixed reduction order, no
-    atomics). Otherwise dQ is accumulated in float32 with atomics inside the dK/dV pass
-    (`packattn.kernels.varlen_bwd_atomic`): 5 matmuls per block pair instead of 7."""
+    """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
+    atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
+    on the H200 (benchmarks/NOTES.md), so there is one backward."""
     from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
-    from packattn.kernels.varlen_bwd_atomic import bwd_fused_kernel
 
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
     lse = lse.contiguous()
@@ -302,14 +301,6 @@ def varlen_bwd(
     scale_log2 = scale * 1.4426950408889634
 
     config = launch_config("dkdv", head_dim, q.dtype, q.device)
-    if not deterministic:
-        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        args = (q, k, v, dout, lse, delta, dq_acc, dk, dv, dkdv_tiles, *seq_args, *qkv_strides,
-                dq_acc.stride(0), dq_acc.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                lse.stride(0), heads_kv, group, scale_log2, scale, *mask_args)
-        _launch(bwd_fused_kernel, (dkdv_tiles.shape[0] * heads_kv,), args,
-                dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
-        return dq_acc.to(q.dtype), dk, dv
     args = (q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, *seq_args, *qkv_strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
             heads_kv, group, scale_log2, scale, *mask_args)
@@ -333,7 +324,7 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles)
-    ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv, deterministic
+    ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
@@ -343,7 +334,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
                             dq_tiles, dkdv_tiles, *ctx.options)
-    return (dq, dk, dv) + (None,) * 15
+    return (dq, dk, dv) + (None,) * 14
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -402,6 +393,6 @@ class TritonVarlenBackend(Backend):
         out, lse = torch.ops.packattn.varlen_fwd(
             q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles,
             problem.scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
-            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, problem.deterministic,
+            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
         )
         return out, (lse if problem.return_lse else None)

@@ -100,7 +100,6 @@ def fa4(w: Workload, seqs):
 
 IMPLS = {
     "packattn:triton": ours("triton"),
-    "packattn:triton_det": ours("triton", deterministic=True),
     "packattn:flex": ours("flex"),
     "torch_varlen": torch_varlen,
     "flex": flex,
