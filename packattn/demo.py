@@ -107,7 +107,7 @@ def _unsupported(backend, q, k, v, seqs, opts):
         max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv), mask=Mask.make(**opts), return_lse=False,
         deterministic=False, requires_grad=True,
     )
-    return backend.unsupported(params)
+    return backend.unsupported(params) or backend.auto_skip(params)
 
 
 def _print_table(header, rows):

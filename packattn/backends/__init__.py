@@ -1,12 +1,17 @@
 """The backend registry, in priority order (first capable one wins)."""
 
+from packattn.backends.fa4 import Fa4Backend
 from packattn.backends.flex import FlexBackend
 from packattn.backends.reference import ReferenceBackend
 from packattn.backends.sdpa import SdpaBackend
 from packattn.backends.torch_varlen import TorchVarlenBackend
 from packattn.backends.triton_varlen import TritonVarlenBackend
 
+# FA4 (only when installed) leads where it supports the call: it measured faster than our Triton
+# kernel on every workload it runs (benchmarks/results/2026-11-22). torch_varlen before flex: no
+# compile on first use.
 REGISTRY = [
+    Fa4Backend(),
     TritonVarlenBackend(),
     TorchVarlenBackend(),
     FlexBackend(),

@@ -52,6 +52,8 @@ class Fa4Backend(Backend):
             return "no chunked attention"
         if params.mask.align == "top_left" and not params.is_self:
             return "causal is bottom-right aligned only (top-left differs when q and kv lengths differ)"
+        if params.deterministic:
+            return "its deterministic backward is not verified here (the triton backend's is)"
         return None
 
     def run(self, problem: Problem):
@@ -75,7 +77,7 @@ class Fa4Backend(Backend):
         out, lse = _load()(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqs.max_seqlen_q,
             max_seqlen_k=seqs.max_seqlen_kv, softmax_scale=problem.scale, causal=mask.causal,
-            window_size=window, deterministic=problem.deterministic, return_lse=True, **extra,
+            window_size=window, return_lse=True, **extra,
         )
         if seqs.pad_between_seqs:
             out = torch.where(valid_q[:, None, None], out, out.new_zeros(()))

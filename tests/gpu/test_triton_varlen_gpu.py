@@ -43,9 +43,9 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_against_reference(q, k, v, dout, seqs, tol=1e-2, ref_seqs=None, ref_opts=None, **opts):
-    """Triton vs the float32 reference (on ``ref_seqs`` with ``ref_opts`` when given: an equivalent problem)."""
-    got = forward_backward(q, k, v, dout, seqs, "triton", **opts)
+def check_against_reference(q, k, v, dout, seqs, tol=1e-2, ref_seqs=None, ref_opts=None, backend="triton", **opts):
+    """``backend`` (triton unless named) vs the float32 reference (on ``ref_seqs`` with ``ref_opts`` when given: an equivalent problem)."""
+    got = forward_backward(q, k, v, dout, seqs, backend, **opts)
     ref = reference_fp32(q, k, v, dout, ref_seqs or seqs, **(opts if ref_opts is None else ref_opts))
     names = ("out", "lse", "dq", "dk", "dv")
     for name, g in zip(names, got):
