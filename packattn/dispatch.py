@@ -101,11 +101,13 @@ def select(params: Params, requested: str = "auto") -> Backend:
         if why is None:
             chosen = next(b for b in REGISTRY if b.name == name)
             break
-        log.debug("packattn: skipping backend %s: %s", name, why)
+        if not torch.compiler.is_compiling():  # logging would break a torch.compile graph
+            log.debug("packattn: skipping backend %s: %s", name, why)
     if chosen is None:
         lines = "\n".join(f"  {name}: {why}" for name, why in listing)
         raise NoBackendError(f"no packattn backend can run this call ({describe(params)}):\n{lines}")
-    log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
+    if not torch.compiler.is_compiling():
+        log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
     _cache[key] = chosen
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)

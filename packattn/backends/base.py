@@ -49,6 +49,22 @@ class Backend:
         raise NotImplementedError
 
 
+def flash_kernel_unsupported(params) -> str | None:
+    """Limits shared by the FlashAttention-family backends (torch_varlen, fa4): CUDA, a varlen or
+    dense batch, fp16/bf16, and causal aligned bottom-right (top-left only where it is the same)."""
+    if params.device_type != "cuda":
+        return f"needs CUDA tensors, got {params.device_type}"
+    if params.kind == "tree":
+        return "tree descriptors need a tree-aware backend"
+    if params.dtype not in (torch.float16, torch.bfloat16):
+        return f"takes fp16/bf16, got {params.dtype}"
+    if params.mask.chunk_size is not None:
+        return "no chunked attention"
+    if params.mask.align == "top_left" and not params.is_self:
+        return "causal is bottom-right aligned only (top-left differs when q and kv lengths differ)"
+    return None
+
+
 def padding_row_mask(seqs: Varlen) -> torch.Tensor:
     """Boolean (total_q,) True for query rows that belong to a sequence (cached per batch)."""
     return seqs.cached("valid_rows_q", lambda: seqs.row_map_q()[0] >= 0)

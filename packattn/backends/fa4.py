@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from packattn.backends.base import Backend, Problem, empty_rows_lse, padding_row_mask
+from packattn.backends.base import Backend, Problem, empty_rows_lse, flash_kernel_unsupported, padding_row_mask
 
 _IMPORT_ERROR: Exception | None = None
 _varlen_func = None
@@ -40,18 +40,11 @@ class Fa4Backend(Backend):
         return None
 
     def unsupported(self, params) -> str | None:
-        if params.device_type != "cuda":
-            return f"needs CUDA tensors, got {params.device_type}"
-        if params.kind == "tree":
-            return "tree descriptors need a tree-aware backend"
-        if params.dtype not in (torch.float16, torch.bfloat16):
-            return f"takes fp16/bf16, got {params.dtype}"
+        why = flash_kernel_unsupported(params)
+        if why:
+            return why
         if params.head_dim != params.head_dim_v or params.head_dim not in (64, 96, 128):
             return f"head dims {params.head_dim}/{params.head_dim_v}: used here for equal q/v head dims 64, 96, 128"
-        if params.mask.chunk_size is not None:
-            return "no chunked attention"
-        if params.mask.align == "top_left" and not params.is_self:
-            return "causal is bottom-right aligned only (top-left differs when q and kv lengths differ)"
         if params.deterministic:
             return "its deterministic backward is not verified here (the triton backend's is)"
         return None

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from packattn.backends.base import Backend, Problem, empty_rows_lse
+from packattn.backends.base import Backend, Problem, empty_rows_lse, flash_kernel_unsupported
 
 try:
     from torch.nn.attention import varlen as _varlen
@@ -29,20 +29,13 @@ class TorchVarlenBackend(Backend):
         return None
 
     def unsupported(self, params) -> str | None:
-        if params.device_type != "cuda":
-            return f"needs CUDA tensors, got {params.device_type}"
-        if params.kind == "tree":
-            return "tree descriptors need a tree-aware backend"
-        if params.dtype not in (torch.float16, torch.bfloat16):
-            return f"FlashAttention-2 takes fp16/bf16, got {params.dtype}"
+        why = flash_kernel_unsupported(params)
+        if why:
+            return why
         if params.head_dim != params.head_dim_v or params.head_dim > 256 or params.head_dim % 8:
             return f"head dims {params.head_dim}/{params.head_dim_v}: needs equal q/v head dims, a multiple of 8, <= 256"
         if params.pad_between_seqs:
             return "no padding between sequences (cu_seqlens are both lengths and offsets)"
-        if params.mask.chunk_size is not None:
-            return "no chunked attention"
-        if params.mask.align == "top_left" and not params.is_self:
-            return "causal is bottom-right aligned only (top-left differs when q and kv lengths differ)"
         if params.mask.window is not None and "window_size" not in _SIGNATURE:
             return "this torch's varlen_attn has no window_size"
         if params.mask.causal and "window_size" not in _SIGNATURE and "is_causal" not in _SIGNATURE:
