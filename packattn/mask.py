@@ -49,7 +49,7 @@ class Mask:
     @classmethod
     def make(cls, causal=False, window=None, chunk_size=None) -> Mask:
         """Validate the user's options and build a canonical Mask."""
-        if causal in (True, "bottom_right"):
+        if causal is True or causal == "bottom_right":
             is_causal, align = True, "bottom_right"
         elif causal == "top_left":
             is_causal, align = True, "top_left"

@@ -27,6 +27,12 @@ def _as_host_lengths(name: str, lengths) -> list[int]:
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
         lengths = lengths.tolist()
+    elif hasattr(lengths, "tolist") and hasattr(lengths, "ndim"):  # a numpy array
+        if lengths.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got {lengths.ndim}-D")
+        if lengths.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
+        lengths = lengths.tolist()
     if not isinstance(lengths, Sequence) or isinstance(lengths, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
     out = []

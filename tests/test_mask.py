@@ -176,3 +176,9 @@ def test_block_query_range_is_exact(lq, lk, causal, window, chunk, block):
     every = vis.all(dim=1).nonzero().flatten().tolist()
     assert (list(range(lo, hi)) == some) if some else lo >= hi, (lo, hi, some)
     assert (list(range(full_lo, full_hi)) == every) if every else full_lo >= full_hi, (full_lo, full_hi, every)
+
+
+@pytest.mark.parametrize("bad", [1, 0, 1.0, "yes"])
+def test_causal_takes_bools_or_alignment_names_only(bad):
+    with pytest.raises(ValueError, match="causal must be"):
+        Mask.make(causal=bad)

@@ -229,3 +229,12 @@ def test_from_lengths_errors(args, kwargs, exc, match):
 def test_from_cu_seqlens_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         Varlen.from_cu_seqlens(*args, **kwargs)
+
+
+def test_from_lengths_accepts_numpy_arrays():
+    np = pytest.importorskip("numpy")
+    seqs = Varlen.from_lengths(np.array([3, 0, 5], dtype=np.int64), pad_to_multiple=4)
+    assert seqs.cu_seqlens_q.tolist() == [0, 3, 3, 8]
+    assert seqs.cu_seqlens_q_padded.tolist() == [0, 4, 4, 12]
+    with pytest.raises(TypeError, match="integers"):
+        Varlen.from_lengths(np.array([1.5, 2.0]))
