@@ -1,12 +1,13 @@
 """Sweep launch configs of the Triton varlen kernels on the GPU (one device call).
 
-usage: python3 benchmarks/tune_triton.py [W1 W8 ...]
+usage: [TUNE_KERNELS=fwd,dkdv,dq] python3 benchmarks/tune_triton.py [W1 W8 ...]
 For each workload: forward time per fwd config; then fwd+bwd time per dkdv config and per dq
 config (the other kernels at their current configs). Prints a table per kernel, best first.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -17,8 +18,10 @@ from packattn.backends import triton_varlen as tv
 from packattn.bench.workloads import varlen_workloads
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
-DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2)]
-DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)]
+DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2),
+        (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 4, 3), (32, 64, 4, 3)]
+DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2),
+      (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]
 
 
 def bench(fn):
@@ -50,7 +53,10 @@ def main(names):
             ms = bench(step)
             return ms, 3.5 * flops / ms / 1e9
 
+        kernels = os.environ.get("TUNE_KERNELS", "fwd,dkdv,dq").split(",")
         for kernel, configs, fwd_only in (("fwd", FWD, True), ("dkdv", DKDV, False), ("dq", DQ, False)):
+            if kernel not in kernels:
+                continue
             rows = []
             for cfg in configs:
                 try:
