@@ -226,6 +226,36 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# ---------------------------------------------------------------- experimental TMA forward
+FWD_VARIANT_ENV = "PACKATTN_TRITON_FWD"  # "tma": `packattn.kernels.varlen_fwd_tma` where it applies
+
+
+def _tma_ok(x: torch.Tensor) -> bool:
+    """TMA descriptors need a 16-byte aligned base and 16-byte multiples as row/head strides."""
+    size = x.element_size()
+    return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 and (x.stride(1) * size) % 16 == 0
+
+
+def _use_tma_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
+    """The TMA forward is opt-in (read per call, so it can be switched between calls)."""
+    return (os.environ.get(FWD_VARIANT_ENV) == "tma" and q.device.type == "cuda" and not interpreting()
+            and head_dim == block_d(head_dim) and all(_tma_ok(x) for x in (q, k, v)))
+
+
+def _scratch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Descriptors made in a kernel live in a global scratch buffer from ``triton.set_allocator``.
+    Set ours only when none is set (the allocator is a ContextVar: per thread, so checked per call)."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch_allocator)
+
+
 @torch.library.custom_op("packattn::varlen_fwd", mutates_args=())
 def varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -252,7 +282,13 @@ def varlen_fwd(
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                       INPUT_PRECISION=_precision(q.dtype),
                       **_mask_constexprs(window_left, window_right, chunk_size, top_left))
-    _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
+    kernel = varlen_fwd_kernel
+    if _use_tma_fwd(q, k, v, head_dim):
+        from packattn.kernels.varlen_fwd_tma import varlen_fwd_tma_kernel
+
+        _ensure_scratch_allocator()
+        kernel = varlen_fwd_tma_kernel
+    _launch(kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
     return out, lse
 
 
