@@ -104,3 +104,35 @@ def store_rows(base, first_row, stride_row, row_ok, tile, HEAD_DIM: tl.constexpr
     ptrs = _tile_pointers(base, first_row, stride_row, BLOCK_ROWS, BLOCK_D)
     mask = row_ok[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_scale_log2,
+                        window_left, window_right, chunk_size, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                        HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr):
+    """Fold one key block (``k``, ``v`` at positions ``keys``) into the running base-2 softmax of the
+    forward kernels; the element mask is applied only when ``MASKED``."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
+    if MASKED:
+        ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
+                          HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def finish_softmax(acc, m_i, l_i):
+    """``(out, lse)`` from the running state; a row that saw no key gives ``out = 0``, ``lse = -inf``
+    (natural log)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    return acc / l_safe[:, None], lse

@@ -22,10 +22,7 @@ GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repea
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import load_rows, store_rows, visible_tile
-
-LN2 = tl.constexpr(0.6931471805599453)
-
+from packattn.kernels.varlen_common import finish_softmax, load_rows, online_softmax_step, store_rows
 
 @triton.jit
 def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
@@ -41,19 +38,9 @@ def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_
         key_ok = keys < len_kv  # unmasked blocks lie inside [0, len_kv): no row check there
         k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
         v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
-        if MASKED:
-            ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
-                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_scale_log2,
+                                            window_left, window_right, chunk_size, MASKED, HAS_LEFT, HAS_RIGHT,
+                                            HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -109,10 +96,7 @@ def varlen_fwd_kernel(
                                        window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
                                        True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
 
-    empty = l_i == 0.0  # saw no key: out = 0, lse = -inf
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = finish_softmax(acc, m_i, l_i)  # a row that saw no key: out = 0, lse = -inf
     store_rows(Out + row0_q * stride_o_row + head * stride_o_head, q_start, stride_o_row, row_ok, out,
                HEAD_DIM, BLOCK_D, BLOCK_M)
     tl.store(Lse + head.to(tl.int64) * stride_lse_head + row0_q + offs_m, lse, mask=row_ok)

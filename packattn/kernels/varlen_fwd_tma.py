@@ -22,10 +22,7 @@ global scratch buffer: ``triton.set_allocator``). Selected only with ``PACKATTN_
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import store_rows, visible_tile
-
-LN2 = tl.constexpr(0.6931471805599453)
-
+from packattn.kernels.varlen_common import finish_softmax, online_softmax_step, store_rows
 
 @triton.jit
 def _attend_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
@@ -37,19 +34,9 @@ def _attend_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, n_from, n_to, offs_
     for n_start in range(n_from, n_to, BLOCK_N):
         k = k_desc.load([n_start, 0])  # rows >= len_kv are zeros
         v = v_desc.load([n_start, 0])
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
-        if MASKED:
-            ok = visible_tile(offs_m, n_start + offs_n, len_q, len_kv, window_left, window_right, chunk_size,
-                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, n_start + offs_n, len_q, len_kv, qk_scale_log2,
+                                            window_left, window_right, chunk_size, MASKED, HAS_LEFT, HAS_RIGHT,
+                                            HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -112,10 +99,7 @@ def varlen_fwd_tma_kernel(
                                            qk_scale_log2, window_left, window_right, chunk_size, BLOCK_N,
                                            True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
 
-    empty = l_i == 0.0  # saw no key: out = 0, lse = -inf
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = finish_softmax(acc, m_i, l_i)  # a row that saw no key: out = 0, lse = -inf
     store_rows(Out + row0_q * stride_o_row + head * stride_o_head, q_start, stride_o_row, row_ok, out,
                HEAD_DIM, BLOCK_D, BLOCK_M)
     tl.store(Lse + head.to(tl.int64) * stride_lse_head + row0_q + offs_m, lse, mask=row_ok)
