@@ -1,6 +1,6 @@
 """Sweep launch configs of the Triton varlen kernels on the GPU (one device call).
 
-usage: [TUNE_KERNELS=fwd,dkdv,dq] python3 benchmarks/tune_triton.py [W1 W8 ...]
+usage: [TUNE_KERNELS=fwd,dkdv,dq] [TUNE_CONFIGS="M,N,w,s;..."] python3 benchmarks/tune_triton.py [W1 W8 ...]
 For each workload: forward time per fwd config; then fwd+bwd time per dkdv config and per dq
 config (the other kernels at their current configs). Prints a table per kernel, best first.
 """
@@ -54,7 +54,10 @@ def main(names):
             return ms, 3.5 * flops / ms / 1e9
 
         kernels = os.environ.get("TUNE_KERNELS", "fwd,dkdv,dq").split(",")
-        for kernel, configs, fwd_only in (("fwd", FWD, True), ("dkdv", DKDV, False), ("dq", DQ, False)):
+        override = os.environ.get("TUNE_CONFIGS")  # e.g. "32,64,4,3;64,128,8,3;32,64,4,3" (repeats allowed: A/B)
+        listed = [tuple(int(x) for x in c.split(",")) for c in override.split(";")] if override else None
+        for kernel, configs, fwd_only in (("fwd", listed or FWD, True), ("dkdv", listed or DKDV, False),
+                                          ("dq", listed or DQ, False)):
             if kernel not in kernels:
                 continue
             rows = []
@@ -64,7 +67,8 @@ def main(names):
                     rows.append((ms, tf, cfg, ""))
                 except Exception as e:  # noqa: BLE001
                     rows.append((float("inf"), 0.0, cfg, f"{type(e).__name__}: {str(e)[:60]}"))
-            rows.sort()
+            if not listed:
+                rows.sort()
             label = "fwd" if fwd_only else "fwd+bwd"
             print(f"\n{name} {kernel} ({label} time; BLOCK_M, BLOCK_N, warps, stages)")
             for ms, tf, cfg, err in rows:
