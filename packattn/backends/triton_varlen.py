@@ -64,7 +64,7 @@ HOPPER_CONFIGS = {
     ("dq", 256): LaunchConfig(64, 16, 8, 1),
     ("dkdv", 32): LaunchConfig(64, 128, 8, 2),
     ("dkdv", 64): LaunchConfig(64, 128, 8, 2),
-    ("dkdv", 128): LaunchConfig(64, 128, 8, 3),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 3),
     ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
 }
 # other CUDA GPUs (Ampere/Ada: less shared memory)
