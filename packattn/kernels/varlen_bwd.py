@@ -20,7 +20,8 @@ positions; blocks in ``[mid_lo, mid_hi)`` skip the element mask. With ``P = exp2
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import load_rows, store_rows, visible_tile, visible_tile_keys_by_queries
+from packattn.kernels.varlen_common import (load_rows, store_rows, tile_header, visible_tile,
+                                            visible_tile_keys_by_queries)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -44,23 +45,6 @@ def bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, total_rows,
         sees_nothing = tl.load(Lse + at, mask=row_ok, other=0.0) == float("-inf")
         delta -= tl.where(sees_nothing, 0.0, dlse)  # P = 0 on such rows: their dlse (even NaN) plays no part
     tl.store(Delta + at, delta, mask=row_ok)
-
-
-@triton.jit
-def _tile_header(tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv):
-    """Sequence geometry of one tile-table row."""
-    seq = tl.load(tiles + tile * 6)
-    start = tl.load(tiles + tile * 6 + 1)
-    lo = tl.load(tiles + tile * 6 + 2)
-    mid_lo = tl.load(tiles + tile * 6 + 3)
-    mid_hi = tl.load(tiles + tile * 6 + 4)
-    hi = tl.load(tiles + tile * 6 + 5)
-    seq_c = tl.maximum(seq, 0)
-    len_q = tl.load(cu_seqlens_q + seq_c + 1) - tl.load(cu_seqlens_q + seq_c)
-    len_kv = tl.load(cu_seqlens_kv + seq_c + 1) - tl.load(cu_seqlens_kv + seq_c)
-    row0_q = tl.load(row_offsets_q + seq_c).to(tl.int64)
-    row0_kv = tl.load(row_offsets_kv + seq_c).to(tl.int64)
-    return seq, start, lo, mid_lo, mid_hi, hi, len_q, len_kv, row0_q, row0_kv
 
 
 @triton.jit
@@ -111,7 +95,7 @@ def bwd_dkdv_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads_kv
     kv_head = pid % num_heads_kv
-    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_header(
+    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = tile_header(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
@@ -190,7 +174,7 @@ def bwd_dq_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads_q
     head = pid % num_heads_q
-    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_header(
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = tile_header(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return

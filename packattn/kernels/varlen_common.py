@@ -136,3 +136,21 @@ def finish_softmax(acc, m_i, l_i):
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     return acc / l_safe[:, None], lse
+
+
+@triton.jit
+def tile_header(tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv):
+    """Sequence geometry of one tile-table row ``[seq, start, lo, mid_lo, mid_hi, hi]`` (``seq < 0``:
+    a surplus tile; the other values are then in bounds but meaningless)."""
+    seq = tl.load(tiles + tile * 6)
+    start = tl.load(tiles + tile * 6 + 1)
+    lo = tl.load(tiles + tile * 6 + 2)
+    mid_lo = tl.load(tiles + tile * 6 + 3)
+    mid_hi = tl.load(tiles + tile * 6 + 4)
+    hi = tl.load(tiles + tile * 6 + 5)
+    seq_c = tl.maximum(seq, 0)
+    len_q = tl.load(cu_seqlens_q + seq_c + 1) - tl.load(cu_seqlens_q + seq_c)
+    len_kv = tl.load(cu_seqlens_kv + seq_c + 1) - tl.load(cu_seqlens_kv + seq_c)
+    row0_q = tl.load(row_offsets_q + seq_c).to(tl.int64)
+    row0_kv = tl.load(row_offsets_kv + seq_c).to(tl.int64)
+    return seq, start, lo, mid_lo, mid_hi, hi, len_q, len_kv, row0_q, row0_kv

@@ -22,7 +22,7 @@ GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repea
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import finish_softmax, load_rows, online_softmax_step, store_rows
+from packattn.kernels.varlen_common import finish_softmax, load_rows, online_softmax_step, store_rows, tile_header
 
 @triton.jit
 def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
@@ -58,18 +58,10 @@ def varlen_fwd_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads_q  # heads vary fastest: the longest tiles of every head start first
     head = pid % num_heads_q
-    seq = tl.load(tiles + tile * 6)
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = tile_header(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
-    q_start = tl.load(tiles + tile * 6 + 1)
-    n_lo = tl.load(tiles + tile * 6 + 2)
-    n_mid_lo = tl.load(tiles + tile * 6 + 3)
-    n_mid_hi = tl.load(tiles + tile * 6 + 4)
-    n_hi = tl.load(tiles + tile * 6 + 5)
-    len_q = tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)
-    len_kv = tl.load(cu_seqlens_kv + seq + 1) - tl.load(cu_seqlens_kv + seq)
-    row0_q = tl.load(row_offsets_q + seq).to(tl.int64)
-    row0_kv = tl.load(row_offsets_kv + seq).to(tl.int64)
     kv_head = head // group_size
 
     offs_m = q_start + tl.arange(0, BLOCK_M)

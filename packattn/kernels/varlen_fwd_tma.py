@@ -22,7 +22,7 @@ global scratch buffer: ``triton.set_allocator``). Selected only with ``PACKATTN_
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import finish_softmax, online_softmax_step, store_rows
+from packattn.kernels.varlen_common import finish_softmax, online_softmax_step, store_rows, tile_header
 
 @triton.jit
 def _attend_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
@@ -55,18 +55,10 @@ def varlen_fwd_tma_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads_q  # heads vary fastest: the longest tiles of every head start first
     head = pid % num_heads_q
-    seq = tl.load(tiles + tile * 6)
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = tile_header(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
-    q_start = tl.load(tiles + tile * 6 + 1)
-    n_lo = tl.load(tiles + tile * 6 + 2)
-    n_mid_lo = tl.load(tiles + tile * 6 + 3)
-    n_mid_hi = tl.load(tiles + tile * 6 + 4)
-    n_hi = tl.load(tiles + tile * 6 + 5)
-    len_q = tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)
-    len_kv = tl.load(cu_seqlens_kv + seq + 1) - tl.load(cu_seqlens_kv + seq)
-    row0_q = tl.load(row_offsets_q + seq).to(tl.int64)
-    row0_kv = tl.load(row_offsets_kv + seq).to(tl.int64)
     kv_head = head // group_size
 
     # descriptor extents >= 1 (a TMA dimension of 0 is not valid); with len_kv == 0 no key block
