@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,6 +39,13 @@ def _check_tensors(q, k, v, layout: str) -> None:
         raise ValueError(f"q head_dim {q.shape[-1]} != k head_dim {k.shape[-1]}")
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise ValueError("head_dim must be positive")
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_descriptor(batch: int, seqlen_q: int, seqlen_kv: int, device: torch.device) -> Varlen:
+    """One descriptor per dense shape and device, so the per-batch metadata backends cache on it
+    (tile tables, block masks) is built once, not on every layer's call."""
+    return Varlen.uniform(batch, seqlen_q, seqlen_kv, device)
 
 
 def _to_thd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -103,7 +111,7 @@ def attention(
         if k.shape[b_axis] != batch or v.shape[b_axis] != batch or v.shape[1 - b_axis] != sk:
             raise ValueError(f"q, k, v batch/sequence sizes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         dense = (batch, sq, sk)
-        seqs = Varlen.uniform(batch, sq, sk, q.device)
+        seqs = _dense_descriptor(batch, sq, sk, q.device)
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
     params = dispatch.Params(

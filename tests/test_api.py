@@ -135,3 +135,24 @@ def test_backend_that_cannot_run_the_call(real_dispatch):
         attention(Q, K, V, SEQS, backend="sdpa", return_lse=True)
     with pytest.raises(ValueError, match=r"no packattn backend can run this call"):
         attention(Q, K, V, SEQS, backend="sdpa", return_lse=True)
+
+
+def test_dense_calls_share_one_descriptor_per_shape(real_dispatch):
+    """Per-batch metadata must not be rebuilt on every dense call (every layer)."""
+    from packattn import api
+
+    q = torch.randn(2, 5, 2, 8)
+    built = []
+    real = api.Varlen.uniform
+
+    def counting(*args):
+        built.append(args)
+        return real(*args)
+
+    api._dense_descriptor.cache_clear()
+    real_dispatch.setattr(api.Varlen, "uniform", counting)
+    for _ in range(3):
+        attention(q, q, q, layout="bshd", causal=True)
+    attention(q[:1], q[:1], q[:1], layout="bshd")
+    assert len(built) == 2  # one per distinct (batch, seq_q, seq_kv, device)
+    api._dense_descriptor.cache_clear()
