@@ -22,29 +22,29 @@ from triton.compiler import ASTSource  # noqa: E402
 from packattn.backends import triton_varlen as tv  # noqa: E402
 from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
 from packattn.kernels.varlen_fwd import varlen_fwd_kernel  # noqa: E402
-from packattn.kernels.varlen_fwd_tma import varlen_fwd_tma_kernel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),
-           "fwd_tma": (varlen_fwd_tma_kernel, ("Q", "K", "V", "Out")),  # opt-in, HEAD_DIM == BLOCK_D only
            "dq": (bwd_dq_kernel, ("Q", "K", "V", "dOut", "dQ")),
            "dkdv": (bwd_dkdv_kernel, ("Q", "K", "V", "dOut", "dK", "dV"))}
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 
 
 def config_for(kernel: str, head_dim: int, dtype: torch.dtype, arch: int) -> tv.LaunchConfig:
-    kernel = "fwd" if kernel == "fwd_tma" else kernel  # the TMA forward launches with the fwd config
     bd = tv.block_d(head_dim)
     table = tv.FP32_CONFIGS if dtype == torch.float32 else (tv.HOPPER_CONFIGS if arch == 90 else tv.FALLBACK_CONFIGS)
     return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
 
 
-def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask: str):
+def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask: str,
+                   warp_specialize: bool = False):
     fn, io_names = KERNELS[kernel]
     config = config_for(kernel, head_dim, DTYPES[dtype_name], arch)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=tv.block_d(head_dim), BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask,
                       TOP_LEFT="T" in mask, INPUT_PRECISION="ieee" if dtype_name == "fp32" else "tf32")
+    if "WARP_SPECIALIZE" in fn.arg_names:
+        constexprs["WARP_SPECIALIZE"] = warp_specialize
     pointers = {name: "*" + dtype_name for name in io_names}
     pointers.update(Lse="*fp32", Delta="*fp32", tiles="*i32", cu_seqlens_q="*i32", cu_seqlens_kv="*i32",
                     row_offsets_q="*i32", row_offsets_kv="*i32")
@@ -79,8 +79,6 @@ def main() -> int:
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
             for kernel in args.kernels:
-                if kernel == "fwd_tma" and head_dim != tv.block_d(head_dim):
-                    continue  # the launcher uses the pointer forward there
                 try:
                     config, compiled = compile_kernel(kernel, dtype_name, head_dim, args.arch, args.mask)
                 except Exception as e:  # report and go on

@@ -226,36 +226,6 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# ---------------------------------------------------------------- experimental TMA forward
-FWD_VARIANT_ENV = "PACKATTN_TRITON_FWD"  # "tma": `packattn.kernels.varlen_fwd_tma` where it applies
-
-
-def _tma_ok(x: torch.Tensor) -> bool:
-    """TMA descriptors need a 16-byte aligned base and 16-byte multiples as row/head strides."""
-    size = x.element_size()
-    return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 and (x.stride(1) * size) % 16 == 0
-
-
-def _use_tma_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
-    """The TMA forward is opt-in (read per call, so it can be switched between calls)."""
-    return (os.environ.get(FWD_VARIANT_ENV) == "tma" and q.device.type == "cuda" and not interpreting()
-            and head_dim == block_d(head_dim) and all(_tma_ok(x) for x in (q, k, v)))
-
-
-def _scratch_allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_scratch_allocator() -> None:
-    """Descriptors made in a kernel live in a global scratch buffer from ``triton.set_allocator``.
-    Set ours only when none is set (the allocator is a ContextVar: per thread, so checked per call)."""
-    import triton
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch_allocator)
-
-
 @torch.library.custom_op("packattn::varlen_fwd", mutates_args=())
 def varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -282,13 +252,7 @@ def varlen_fwd(
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                       INPUT_PRECISION=_precision(q.dtype),
                       **_mask_constexprs(window_left, window_right, chunk_size, top_left))
-    kernel = varlen_fwd_kernel
-    if _use_tma_fwd(q, k, v, head_dim):
-        from packattn.kernels.varlen_fwd_tma import varlen_fwd_tma_kernel
-
-        _ensure_scratch_allocator()
-        kernel = varlen_fwd_tma_kernel
-    _launch(kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
+    _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
     return out, lse
 
 
@@ -415,6 +379,9 @@ class TritonVarlenBackend(Backend):
 
     def run(self, problem: Problem):
         q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
+        scale = problem.scale
+        if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)
+            q, scale = -q, -scale
         head_dim = q.shape[-1]
         fwd = launch_config("fwd", head_dim, q.dtype, q.device)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
@@ -428,7 +395,7 @@ class TritonVarlenBackend(Backend):
         rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
         out, lse = torch.ops.packattn.varlen_fwd(
             q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles,
-            problem.scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
+            scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
         )
         return out, (lse if problem.return_lse else None)

@@ -113,18 +113,24 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_
                         INPUT_PRECISION: tl.constexpr):
     """Fold one key block (``k``, ``v`` at positions ``keys``) into the running base-2 softmax of the
     forward kernels; the element mask is applied only when ``MASKED``."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if MASKED:
         ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
                           HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-        s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_sub[:, None])
+        s = tl.where(ok, s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+    else:
+        # every score is finite and the scale is >= 0 (the launcher flips q for a negative one), so
+        # max(s) * scale is the scaled row max and the tile needs one fused multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+        m_sub = m_new
+        p = tl.math.exp2(s * qk_scale_log2 - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
     return acc, m_new, l_i
 
 
