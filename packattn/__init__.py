@@ -3,8 +3,9 @@
 from packattn.api import DotProductAttention, attention
 from packattn.dispatch import NoBackendError
 from packattn.mask import Mask
+from packattn.tree import Tree
 from packattn.varlen import Varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["DotProductAttention", "Mask", "NoBackendError", "Varlen", "attention", "__version__"]
+__all__ = ["DotProductAttention", "Mask", "NoBackendError", "Tree", "Varlen", "attention", "__version__"]

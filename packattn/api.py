@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from packattn import dispatch
 from packattn.backends.base import Problem
 from packattn.mask import Mask
 from packattn.varlen import Varlen
+
+if TYPE_CHECKING:
+    from packattn.tree import Tree
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LAYOUTS = ("thd", "bshd", "sbhd")
@@ -48,6 +52,15 @@ def _dense_descriptor(batch: int, seqlen_q: int, seqlen_kv: int, device: torch.d
     return Varlen.uniform(batch, seqlen_q, seqlen_kv, device)
 
 
+def _as_tree(seqs):
+    """``seqs`` when it is a `packattn.Tree`, else None (the tree package is imported lazily)."""
+    if seqs is None or isinstance(seqs, Varlen):
+        return None
+    from packattn.tree import Tree
+
+    return seqs if isinstance(seqs, Tree) else None
+
+
 def _to_thd(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "sbhd":
         x = x.transpose(0, 1)
@@ -58,7 +71,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seqs: Varlen | None = None,
+    seqs: Varlen | Tree | None = None,
     *,
     causal: bool | str = False,
     window: tuple[int, int] | None = None,
@@ -73,6 +86,8 @@ def attention(
 
     * ``thd``: ``q (total_q, heads_q, d)``, ``k, v (total_kv, heads_kv, d)`` and ``seqs`` a `Varlen`.
     * ``bshd`` / ``sbhd``: ``(batch, seq, heads, d)`` / ``(seq, batch, heads, d)``, ``seqs=None``.
+    * a `packattn.Tree` as ``seqs`` (thd): tree attention, q, k, v with ``tree.total`` rows; the tree
+      is the mask (a token sees its ancestors' tokens and its own node's up to itself).
 
     Masks (see `packattn.mask`): ``causal`` (True = bottom-right aligned, or "top_left"),
     ``window=(left, right)`` with -1 unbounded, ``chunk_size``. GQA/MQA when heads_q % heads_kv == 0.
@@ -91,7 +106,20 @@ def attention(
         raise ValueError(f"scale must be a finite number, got {scale!r}")
 
     dense = None
-    if layout == "thd":
+    tree = _as_tree(seqs)
+    if tree is not None:
+        if layout != "thd":
+            raise ValueError(f"a Tree descriptor needs layout='thd', got {layout!r}")
+        if causal not in (False, True) or window is not None or chunk_size is not None:
+            raise ValueError("a Tree defines its own mask (ancestors and the causal prefix of the own node): "
+                             "causal='top_left', window and chunk_size do not apply")
+        seqs = tree.to(q.device)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[0] != seqs.total:
+                raise ValueError(f"{name} has {t.shape[0]} rows but the tree packs {seqs.total} tokens")
+        mask = Mask.make(True)  # the causal part of the tree rule, for dispatch keys
+        qt, kt, vt = q, k, v
+    elif layout == "thd":
         if not isinstance(seqs, Varlen):
             raise TypeError(
                 f"layout='thd' needs a packattn.Varlen descriptor as seqs, got {type(seqs).__name__}; "
@@ -114,6 +142,15 @@ def attention(
         seqs = _dense_descriptor(batch, sq, sk, q.device)
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
+    if tree is not None:
+        shape = dict(kind="tree", pad_between_seqs=False, is_self=True, host_lengths=True,
+                     max_seqlen_q=dispatch.Params.bucket(tree.max_depth),
+                     max_seqlen_kv=dispatch.Params.bucket(tree.max_depth))
+    else:
+        shape = dict(kind="dense" if dense else "varlen", pad_between_seqs=seqs.pad_between_seqs,
+                     is_self=seqs.is_self, host_lengths=seqs.lengths_q is not None,
+                     max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
+                     max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv))
     params = dispatch.Params(
         device_type=q.device.type,
         dtype=q.dtype,
@@ -121,12 +158,7 @@ def attention(
         heads_kv=k.shape[-2],
         head_dim=q.shape[-1],
         head_dim_v=v.shape[-1],
-        kind="dense" if dense else "varlen",
-        pad_between_seqs=seqs.pad_between_seqs,
-        is_self=seqs.is_self,
-        host_lengths=seqs.lengths_q is not None,
-        max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
-        max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv),
+        **shape,
         mask=mask,
         return_lse=bool(return_lse),
         deterministic=bool(deterministic),

@@ -92,19 +92,76 @@ def run_demo(size: str = "auto", seed: int = 0) -> int:
             except Exception as e:  # report, keep going
                 failures += 1
                 rows.append((name, backend.name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]))
+    tree_rows, tree_failures, saved = _tree_case(device, dtype, large, heads, dim, reps, rng)
+    rows += tree_rows
+    failures += tree_failures
     _print_table(("case", "backend", "max|out err|", "max|grad err|", "fwd+bwd ms", "status"), rows)
+    print(f"\ntree case: {saved}")
     print(f"\n{'all backends agree with the reference' if not failures else f'{failures} failures'}")
     return 1 if failures else 0
 
 
-def _unsupported(backend, q, k, v, seqs, opts):
+def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: random.Random):
+    """A GRPO-like batch packed as a `Tree`, on every tree-capable backend, against each sequence run
+    alone (the expanded batch, causal, reference backend in float32)."""
+    from packattn.tree import Tree
+
+    prompts, group, prompt_len, response_len = (2, 8, 2048, 1024) if large else (2, 4, 40, 30)
+    sequences, next_id = [], 0
+    for _ in range(prompts):
+        prompt = list(range(next_id, next_id + prompt_len))
+        next_id += prompt_len
+        for _ in range(group):
+            n = rng.randint(1, response_len)
+            sequences.append(prompt + list(range(next_id, next_id + n)))
+            next_id += n
+    tree = Tree.from_sequences(sequences, device=device)
+    expanded = tree.unpacked
+    saved = (f"{len(sequences)} sequences, {expanded.total_q} tokens expanded, {tree.total} packed as a tree "
+             f"({expanded.total_q / tree.total:.2f}x fewer)")
+    q = torch.randn(tree.total, heads[0], dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(tree.total, heads[1], dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(tree.total, heads[1], dim, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(expanded.total_q, heads[0], dim, device=device, dtype=dtype)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = attention(*(tree.gather(t) for t in (q32, k32, v32)), expanded, causal=True, backend="reference")
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    rows, failures = [], 0
+    for backend in REGISTRY:
+        why = backend.unavailable() or _unsupported(backend, q, k, v, tree, {"causal": True}, kind="tree")
+        if why is not None:
+            rows.append(("tree (GRPO)", backend.name, "-", "-", "-", why))
+            continue
+
+        def step():
+            out = tree.gather(attention(q, k, v, tree, backend=backend.name))
+            return out, torch.autograd.grad(out, (q, k, v), dout)
+
+        try:
+            out, grads = step()
+            err_out = (out.float() - ref).abs().max().item()
+            err_grad = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+            ms = _time(step, device, reps)
+            ok = torch.isfinite(out).all().item() and err_out < (2e-2 if dtype != torch.float32 else 1e-4)
+            failures += not ok
+            rows.append(("tree (GRPO)", backend.name, f"{err_out:.2e}", f"{err_grad:.2e}", f"{ms:.2f}",
+                         "ok" if ok else "MISMATCH"))
+        except Exception as e:  # report, keep going
+            failures += 1
+            rows.append(("tree (GRPO)", backend.name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]))
+    return rows, failures, saved
+
+
+def _unsupported(backend, q, k, v, seqs, opts, kind: str = "varlen"):
     from packattn.mask import Mask
 
     params = dispatch.Params(
         device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[2],
-        head_dim_v=v.shape[2], kind="varlen", pad_between_seqs=seqs.pad_between_seqs, is_self=seqs.is_self,
-        host_lengths=seqs.lengths_q is not None, max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
-        max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv), mask=Mask.make(**opts), return_lse=False,
+        head_dim_v=v.shape[2], kind=kind, pad_between_seqs=kind == "varlen" and seqs.pad_between_seqs,
+        is_self=True if kind == "tree" else seqs.is_self, host_lengths=kind == "tree" or seqs.lengths_q is not None,
+        max_seqlen_q=17 if kind == "tree" else dispatch.Params.bucket(seqs.max_seqlen_q),
+        max_seqlen_kv=17 if kind == "tree" else dispatch.Params.bucket(seqs.max_seqlen_kv), mask=Mask.make(**opts),
+        return_lse=False,
         deterministic=False, requires_grad=True,
     )
     return backend.unsupported(params) or backend.auto_skip(params)

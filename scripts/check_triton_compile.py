@@ -21,16 +21,20 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from packattn.backends import triton_varlen as tv  # noqa: E402
 from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
+from packattn.kernels.tree import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
 from packattn.kernels.varlen_fwd import varlen_fwd_kernel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),
            "dq": (bwd_dq_kernel, ("Q", "K", "V", "dOut", "dQ")),
-           "dkdv": (bwd_dkdv_kernel, ("Q", "K", "V", "dOut", "dK", "dV"))}
+           "dkdv": (bwd_dkdv_kernel, ("Q", "K", "V", "dOut", "dK", "dV")),
+           "tree_fwd": (tree_fwd_kernel, ("Q", "K", "V", "Out")),  # launched with the fwd config
+           "tree_dq": (tree_dq_kernel, ("Q", "K", "V", "dOut", "dQ"))}  # with the dq config
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 
 
 def config_for(kernel: str, head_dim: int, dtype: torch.dtype, arch: int) -> tv.LaunchConfig:
+    kernel = kernel.removeprefix("tree_")
     bd = tv.block_d(head_dim)
     table = tv.FP32_CONFIGS if dtype == torch.float32 else (tv.HOPPER_CONFIGS if arch == 90 else tv.FALLBACK_CONFIGS)
     return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
@@ -47,7 +51,8 @@ def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask:
         constexprs["WARP_SPECIALIZE"] = warp_specialize
     pointers = {name: "*" + dtype_name for name in io_names}
     pointers.update(Lse="*fp32", Delta="*fp32", tiles="*i32", cu_seqlens_q="*i32", cu_seqlens_kv="*i32",
-                    row_offsets_q="*i32", row_offsets_kv="*i32")
+                    row_offsets_q="*i32", row_offsets_kv="*i32", intervals="*i32", key_end="*i32")
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name) or
                  ("fp32" if name in ("qk_scale_log2", "scale") else "i32") for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),

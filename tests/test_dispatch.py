@@ -108,10 +108,11 @@ def test_sdpa_needs_host_lengths():
     assert dict(dispatch.reasons(params(host_lengths=False, kind="dense")))["sdpa"] is None
 
 
-def test_tree_descriptors_have_no_cpu_backend():
-    with pytest.raises(NoBackendError) as info:
-        dispatch.select(params(kind="tree"))
-    assert "reference: tree descriptors are not handled by the reference backend yet" in str(info.value)
+def test_tree_descriptors_go_to_tree_aware_backends():
+    listing = dict(dispatch.reasons(params(kind="tree")))
+    assert listing["sdpa"] == "tree descriptors need a tree-aware backend"
+    assert listing["triton"] == "tree descriptors are handled by the tree kernels"
+    assert dispatch.select(params(kind="tree")).name == "reference"  # on CPU
 
 
 # ------------------------------------------------------------------------------------ environment

@@ -5,6 +5,7 @@ from packattn.backends.flex import FlexBackend
 from packattn.backends.reference import ReferenceBackend
 from packattn.backends.sdpa import SdpaBackend
 from packattn.backends.torch_varlen import TorchVarlenBackend
+from packattn.backends.triton_tree import TritonTreeBackend
 from packattn.backends.triton_varlen import TritonVarlenBackend
 
 # FA4 (only when installed) leads where it supports the call: it measured faster than our Triton
@@ -13,6 +14,7 @@ from packattn.backends.triton_varlen import TritonVarlenBackend
 REGISTRY = [
     Fa4Backend(),
     TritonVarlenBackend(),
+    TritonTreeBackend(),
     TorchVarlenBackend(),
     FlexBackend(),
     SdpaBackend(),

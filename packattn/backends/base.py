@@ -17,7 +17,7 @@ class Problem:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    seqs: Varlen  # on q's device
+    seqs: Varlen  # on q's device (a packattn.Tree when the params say kind == "tree")
     mask: Mask
     scale: float
     return_lse: bool

@@ -14,6 +14,7 @@ import torch
 
 from packattn import mask as masks
 from packattn.backends.base import Backend, Problem, empty_rows_lse, zero_padding_rows
+from packattn.tree import blocks as tree_blocks
 from packattn.varlen import Varlen
 
 try:
@@ -48,8 +49,6 @@ class FlexBackend(Backend):
     def unsupported(self, params) -> str | None:
         if params.device_type != "cuda":
             return f"needs CUDA tensors, got {params.device_type}"
-        if params.kind == "tree":
-            return "tree BlockMasks are built by the tree backend"
         if params.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"dtype {params.dtype} not supported"
         if params.head_dim != params.head_dim_v or params.head_dim not in (16, 32, 64, 128, 256):
@@ -60,7 +59,11 @@ class FlexBackend(Backend):
 
     def run(self, problem: Problem):
         seqs = problem.seqs
-        block_mask = seqs.cached(("flex_block_mask", problem.mask, BLOCK_SIZE), lambda: build_block_mask(seqs, problem.mask))
+        if isinstance(seqs, Varlen):
+            block_mask = seqs.cached(("flex_block_mask", problem.mask, BLOCK_SIZE),
+                                     lambda: build_block_mask(seqs, problem.mask))
+        else:  # a packattn.Tree
+            block_mask = seqs.cached(("flex_tree_block_mask", BLOCK_SIZE), lambda: build_tree_block_mask(seqs))
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (problem.q, problem.k, problem.v))
         kwargs = {"block_mask": block_mask, "scale": problem.scale, "enable_gqa": q.shape[1] != k.shape[1]}
         params = inspect.signature(_flex.flex_attention).parameters
@@ -75,6 +78,8 @@ class FlexBackend(Backend):
         out = out[0].transpose(0, 1)
         if lse is not None:
             lse = empty_rows_lse(lse[0].float())
+        if not isinstance(seqs, Varlen):
+            return out, lse  # a tree has no padding rows and every row sees itself
         return zero_padding_rows(out, lse, seqs)
 
 
@@ -96,6 +101,30 @@ def row_key_intervals(seqs: Varlen, mask: masks.Mask) -> tuple[torch.Tensor, tor
     return lo, hi
 
 
+def _block_lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's (count, indices) per query block from a boolean (query blocks, key blocks) matrix."""
+    num = sel.sum(1, dtype=torch.int32)
+    idx = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
+def build_tree_block_mask(tree, block: int = BLOCK_SIZE):
+    """BlockMask of a `packattn.Tree` (`packattn.tree.blocks`): key ``s`` is visible to queries
+    ``s <= t < key_end[s]``."""
+    total = tree.total
+    key_end = tree.row_subtree_end().to(torch.int32)
+    kinds = tree_blocks.block_kinds(key_end, total, block, block)
+    kv_num, kv_idx = _block_lists(kinds == tree_blocks.MASKED)
+    full_num, full_idx = _block_lists(kinds == tree_blocks.FULL)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx])
+
+    return _flex.BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(total, total)
+    )
+
+
 def build_block_mask(seqs: Varlen, mask: masks.Mask, block: int = BLOCK_SIZE):
     lo, hi = row_key_intervals(seqs, mask)
     tq, tk = seqs.total_q, seqs.total_kv
@@ -112,13 +141,8 @@ def build_block_mask(seqs: Varlen, mask: masks.Mask, block: int = BLOCK_SIZE):
     full = (kb_start >= full_lo) & (kb_end <= full_hi)
     partial = touched & ~full
 
-    def lists(sel):
-        num = sel.sum(1, dtype=torch.int32)
-        idx = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
-        return num[None, None], idx[None, None]
-
-    kv_num, kv_idx = lists(partial)
-    full_num, full_idx = lists(full)
+    kv_num, kv_idx = _block_lists(partial)
+    full_num, full_idx = _block_lists(full)
     row_lo, row_hi = lo.to(torch.int32), hi.to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):

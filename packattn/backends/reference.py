@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from packattn import mask as masks
 from packattn.backends.base import Backend, Problem
+from packattn.varlen import Varlen
 
 SCORE_BUDGET = 2**25  # score elements per chunk
 
@@ -22,11 +23,11 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def unsupported(self, params) -> str | None:
-        if params.kind == "tree":
-            return "tree descriptors are not handled by the reference backend yet"
         return None
 
     def run(self, problem: Problem):
+        if not isinstance(problem.seqs, Varlen):  # a packattn.Tree
+            return reference_tree_attention(problem)
         return reference_attention(problem)
 
 
@@ -104,3 +105,43 @@ def reference_attention(problem: Problem, score_budget: int = SCORE_BUDGET):
         lse = padded_lse[seq_c, :, pos_of_row].t()
         lse = torch.where(valid[None, :], lse, lse.new_full((), float("-inf"))).float()
     return out, lse
+
+
+def _tree_chunk(q, k, v, key_end, t0: int, scale: float, compute_dtype):
+    """Queries ``t0 ... t0 + len(q) - 1`` of a tree against keys ``0 ... len(k) - 1``: key ``s`` is
+    visible to query ``t`` iff ``s <= t < key_end[s]``."""
+    cq, Hq, D = q.shape
+    Hk = k.shape[1]
+    g = Hq // Hk
+    t = torch.arange(t0, t0 + cq, device=q.device)
+    s_idx = torch.arange(k.shape[0], device=q.device)
+    vis = (s_idx[None, :] <= t[:, None]) & (t[:, None] < key_end[None, :])  # (cq, keys)
+    scores = torch.einsum("qhgd,khd->hgqk", q.to(compute_dtype).view(cq, Hk, g, D), k.to(compute_dtype)) * scale
+    scores = scores.masked_fill(~vis, float("-inf"))  # every query sees itself: no empty row
+    lse = torch.logsumexp(scores, dim=-1)
+    o = torch.einsum("hgqk,khd->qhgd", torch.exp(scores - lse[..., None]), v.to(compute_dtype))
+    return o.reshape(cq, Hq, v.shape[-1]), lse.reshape(Hq, cq)
+
+
+def reference_tree_attention(problem: Problem, score_budget: int = SCORE_BUDGET):
+    """Tree attention (`packattn.Tree`) in plain torch: query chunks against the keys before them,
+    with the tree rule of `_tree_chunk`; checkpointed per chunk when gradients are on."""
+    q, k, v, tree = problem.q, problem.k, problem.v, problem.seqs
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    total, Hq = q.shape[0], q.shape[1]
+    key_end = tree.row_subtree_end().long()
+    cq = max(1, score_budget // (max(total, 1) * Hq))
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    outs, lses = [], []
+    for t0 in range(0, total, cq):
+        t1 = min(total, t0 + cq)
+        args = (q[t0:t1], k[:t1], v[:t1], key_end[:t1], t0, problem.scale, compute_dtype)
+        o, lse = checkpoint(_tree_chunk, *args, use_reentrant=False) if need_grad else _tree_chunk(*args)
+        outs.append(o)
+        lses.append(lse)
+    if not outs:
+        tie = (q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()).to(q.dtype)
+        return q.new_zeros(0, Hq, v.shape[-1]) + tie, (q.new_empty(Hq, 0, dtype=torch.float32)
+                                                       if problem.return_lse else None)
+    out = torch.cat(outs).to(q.dtype)
+    return out, (torch.cat(lses, dim=1).float() if problem.return_lse else None)

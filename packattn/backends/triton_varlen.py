@@ -194,17 +194,23 @@ def build_tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, 
     empty = (lo >= hi) | ~real
     lo = torch.where(empty, 0, lo)
     hi = torch.where(empty, 0, hi)
-    # the band: blocks on the grid lo + i * step lying entirely inside [full_lo, full_hi)
-    mid_lo = lo + (full_lo - lo).clamp(min=0).add(step - 1).div(step, rounding_mode="floor") * step
-    band_blocks = (full_hi - mid_lo).clamp(min=0).div(step, rounding_mode="floor")
-    has_band = ~empty & (full_lo < full_hi) & (band_blocks > 0)
-    mid_hi = torch.where(has_band, mid_lo + band_blocks * step, hi)
-    mid_lo = torch.where(has_band, mid_lo, hi)
+    mid_lo, mid_hi = unmasked_band(lo, hi, full_lo, full_hi, step, empty)
     seq = torch.where(real, seq, -1)
     work = torch.where(real, hi - lo, -1)
     order = torch.argsort(work, descending=True, stable=True)  # longest first, surplus last
     table = torch.stack([seq, start, lo, mid_lo, mid_hi, hi], dim=1)[order]
     return table.to(torch.int32).contiguous()
+
+
+def unmasked_band(lo, hi, full_lo, full_hi, step: int, empty):
+    """``(mid_lo, mid_hi)``: the blocks on the grid ``lo + i * step`` lying entirely inside the fully
+    visible range ``[full_lo, full_hi)``; ``mid_lo = mid_hi = hi`` where there is none (or ``empty``)."""
+    mid_lo = lo + (full_lo - lo).clamp(min=0).add(step - 1).div(step, rounding_mode="floor") * step
+    band_blocks = (full_hi - mid_lo).clamp(min=0).div(step, rounding_mode="floor")
+    has_band = ~empty & (full_lo < full_hi) & (band_blocks > 0)
+    mid_hi = torch.where(has_band, mid_lo + band_blocks * step, hi)
+    mid_lo = torch.where(has_band, mid_lo, hi)
+    return mid_lo, mid_hi
 
 
 def tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, step: int) -> torch.Tensor:
@@ -273,46 +279,63 @@ def varlen_bwd(
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
     on the H200 (benchmarks/NOTES.md), so there is one backward."""
-    from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from packattn.kernels.varlen_bwd import bwd_dq_kernel
 
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
     lse = lse.contiguous()
-    total_q, heads_q, head_dim = q.shape
-    heads_kv = k.shape[1]
-    group = heads_q // heads_kv
-    bd = block_d(head_dim)
-    delta = torch.empty_like(lse)
-    has_dlse = dlse is not None
-    dlse = dlse.contiguous() if has_dlse else delta  # placeholder pointer when there is no dlse
-    pre_grid = (-(-total_q // PREPROCESS_BLOCK_M), heads_q)
-    if pre_grid[0] > 0:
-        bwd_preprocess_kernel[pre_grid](out, dout, lse, dlse, delta, total_q, out.stride(0), out.stride(1),
-                                        dout.stride(0), dout.stride(1), delta.stride(0), HEAD_DIM=head_dim,
-                                        BLOCK_D=bd, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=has_dlse)
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    group = heads_q // k.shape[1]
+    delta = bwd_delta(out, dout, lse, dlse)
     dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)  # contiguous, as the fake says
     dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
     dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
     mask_args = (window_left, window_right, chunk_size)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, INPUT_PRECISION=_precision(q.dtype),
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
                   **_mask_constexprs(window_left, window_right, chunk_size, top_left))
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    qkv_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                   dout.stride(0), dout.stride(1))
-    scale_log2 = scale * 1.4426950408889634
-
-    config = launch_config("dkdv", head_dim, q.dtype, q.device)
-    args = (q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, *seq_args, *qkv_strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-            heads_kv, group, scale_log2, scale, *mask_args)
-    _launch(bwd_dkdv_kernel, (dkdv_tiles.shape[0] * heads_kv,), args,
-            dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
+    launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
 
     config = launch_config("dq", head_dim, q.dtype, q.device)
-    args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *qkv_strides,
-            dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale_log2, scale, *mask_args)
+    args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
+            dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args)
     _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
             dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
     return dq, dk, dv
+
+
+def _qkv_do_strides(q, k, v, dout) -> tuple:
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1))
+
+
+def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """``rowsum(dO * O) - dlse`` (float32, lse's shape): the backward preprocess."""
+    from packattn.kernels.varlen_bwd import bwd_preprocess_kernel
+
+    total_q, heads_q, head_dim = out.shape
+    delta = torch.empty_like(lse)
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else delta  # placeholder pointer when there is no dlse
+    grid = (-(-total_q // PREPROCESS_BLOCK_M), heads_q)
+    if grid[0] > 0:
+        bwd_preprocess_kernel[grid](out, dout, lse, dlse, delta, total_q, out.stride(0), out.stride(1),
+                                    dout.stride(0), dout.stride(1), delta.stride(0), HEAD_DIM=head_dim,
+                                    BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=has_dlse)
+    return delta
+
+
+def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, key_end, scale, mask_args, common,
+                tree: bool = False) -> None:
+    """dK/dV pass over key tiles (`varlen_bwd.bwd_dkdv_kernel`); ``tree``: the tree mask, ``key_end``
+    = `Tree.row_subtree_end` (any int32 tensor otherwise: unused)."""
+    from packattn.kernels.varlen_bwd import bwd_dkdv_kernel
+
+    heads_kv = k.shape[1]
+    config = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
+    args = (q, k, v, dout, lse, delta, dk, dv, tiles, *seq_args, key_end, *_qkv_do_strides(q, k, v, dout),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            heads_kv, q.shape[1] // heads_kv, scale * 1.4426950408889634, scale, *mask_args)
+    _launch(bwd_dkdv_kernel, (tiles.shape[0] * heads_kv,), args,
+            dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TREE=tree), config)
 
 
 @varlen_bwd.register_fake

@@ -14,6 +14,7 @@ import packattn
 from packattn.backends import get as get_backend
 from packattn.bench.workloads import Workload
 from packattn.mask import Mask
+from packattn.varlen import Varlen
 
 
 class Unavailable(Exception):
@@ -25,6 +26,8 @@ def ours(backend: str, **flags):
         why = get_backend(backend).unavailable()
         if why:
             raise Unavailable(why)
+        if (backend == "triton_tree") == isinstance(seqs, Varlen) and backend in ("triton", "triton_tree"):
+            raise Unavailable("triton_tree runs the tree workloads, triton the others")
         return lambda q, k, v: packattn.attention(q, k, v, seqs, backend=backend, **w.options, **flags)
 
     return factory
@@ -53,8 +56,10 @@ def flex(w: Workload, seqs):
 
     if flex_backend.FlexBackend().unavailable():
         raise Unavailable(flex_backend.FlexBackend().unavailable())
-    mask = Mask.make(**w.options)
-    block_mask = flex_backend.build_block_mask(seqs, mask)
+    if isinstance(seqs, Varlen):
+        block_mask = flex_backend.build_block_mask(seqs, Mask.make(**w.options))
+    else:  # a tree: FlexAttention with a tree BlockMask on the packed tokens
+        block_mask = flex_backend.build_tree_block_mask(seqs)
     compiled = flex_backend._compiled_flex()
 
     def run(q, k, v):
@@ -100,6 +105,7 @@ def fa4(w: Workload, seqs):
 
 IMPLS = {
     "packattn:triton": ours("triton"),
+    "packattn:triton_tree": ours("triton_tree"),
     "packattn:flex": ours("flex"),
     "torch_varlen": torch_varlen,
     "flex": flex,
@@ -107,3 +113,4 @@ IMPLS = {
     "sdpa_dense": sdpa_dense,
 }
 ANCHORS = ("torch_varlen", "flex", "fa4", "sdpa_dense")
+EXPANDED_ANCHORS = ("torch_varlen", "fa4")  # on a tree workload they run the expanded batch

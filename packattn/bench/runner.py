@@ -9,8 +9,8 @@ import math
 import torch
 
 import packattn
-from packattn.bench.anchors import ANCHORS, IMPLS, Unavailable
-from packattn.bench.workloads import Workload, varlen_workloads
+from packattn.bench.anchors import ANCHORS, EXPANDED_ANCHORS, IMPLS, Unavailable
+from packattn.bench.workloads import TreeWorkload, Workload, all_workloads
 
 
 def _do_bench(fn) -> float:
@@ -33,7 +33,10 @@ def _ceilings(device) -> dict:
 
 
 def _inputs_for(w: Workload, impl: str, device):
-    """Anchors that cannot take padding run on the unpadded data (workloads.md: W3's anchors)."""
+    """Anchors that cannot take padding run on the unpadded data (workloads.md: W3's anchors);
+    the varlen anchors of a tree workload run on its expanded batch (every sequence in full)."""
+    if isinstance(w, TreeWorkload) and impl in EXPANDED_ANCHORS:
+        w = w.expanded()
     if w.pad_to_multiple and not impl.startswith("packattn:"):
         w = Workload(w.name, w.lengths_q, w.lengths_kv, w.heads_q, w.heads_kv, w.head_dim, w.options)
     seqs, q, k, v = w.make_inputs(device, torch.bfloat16, seed=0)
@@ -78,7 +81,7 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     import triton
 
     device = torch.device("cuda")
-    table = varlen_workloads()
+    table = all_workloads()
     names = workloads or list(table)
     impls = impls or list(IMPLS)
     env = {

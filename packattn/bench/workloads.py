@@ -83,3 +83,80 @@ def varlen_workloads() -> dict[str, Workload]:
         "W5": Workload("W5 sliding_window", docs, options={"causal": True, "window": (1024, 0)}),
         "W8": Workload("W8 short_docs", [512] * 64, options={"causal": True}),
     }
+
+
+@dataclass
+class TreeWorkload(Workload):
+    """A tree workload (W6, W7, W8 tree): ``sequences`` of token ids packed as a `packattn.Tree`.
+    ``lengths_q`` are the sequence lengths: the *expanded* batch (every sequence with its own copy
+    of its prefix) that the varlen anchors run on. Useful FLOPs are the tree's."""
+
+    sequences: list = field(default_factory=list)
+
+    def tree(self, device=None):
+        from packattn.tree import Tree
+
+        return Tree.from_sequences(self.sequences, device=device)
+
+    def expanded(self) -> Workload:
+        return Workload(self.name, self.lengths_q, None, self.heads_q, self.heads_kv, self.head_dim, self.options)
+
+    def visible_pairs(self) -> int:
+        """Pairs of the tree: a token at depth d sees d + 1 keys (its path)."""
+        tree = self.tree()
+        return int(tree.position_ids.sum()) + tree.total
+
+    def make_inputs(self, device, dtype=torch.bfloat16, seed: int = 0, requires_grad: bool = True):
+        tree = self.tree(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(heads):
+            t = torch.randn(tree.total, heads, self.head_dim, device=device, dtype=dtype, generator=gen)
+            return t.requires_grad_(requires_grad)
+
+        return tree, rand(self.heads_q), rand(self.heads_kv), rand(self.heads_kv)
+
+
+def _tree_workload(name: str, sequences: list[list[int]]) -> TreeWorkload:
+    return TreeWorkload(name, [len(s) for s in sequences], options={"causal": True}, sequences=sequences)
+
+
+def grpo_sequences(prompts: int, prompt_len: int, group: int, response_len: int) -> list[list[int]]:
+    """``prompts`` prompts, each followed by ``group`` different responses (distinct token ids)."""
+    out, next_id = [], 0
+    for _ in range(prompts):
+        prompt = list(range(next_id, next_id + prompt_len))
+        next_id += prompt_len
+        for _ in range(group):
+            out.append(prompt + list(range(next_id, next_id + response_len)))
+            next_id += response_len
+    return out
+
+
+def agent_sequences(roots: int, root_len: int, turn_len: int, branching: tuple[int, ...]) -> list[list[int]]:
+    """Root-to-leaf paths of ``roots`` trees: a root of ``root_len`` tokens, then one level of turns
+    of ``turn_len`` tokens per entry of ``branching`` (children per node at that level)."""
+    counter = iter(range(10**9))
+
+    def run(n):
+        return [next(counter) for _ in range(n)]
+
+    paths = []
+    for _ in range(roots):
+        level = [run(root_len)]
+        for fan in branching:
+            level = [path + run(turn_len) for path in level for _ in range(fan)]
+        paths.extend(level)
+    return paths
+
+
+def tree_workloads() -> dict[str, TreeWorkload]:
+    return {
+        "W6": _tree_workload("W6 tree_grpo", grpo_sequences(2, 2048, 8, 1024)),
+        "W7": _tree_workload("W7 tree_agent", agent_sequences(4, 1024, 256, (4, 2, 2, 2))),
+        "W8tree": _tree_workload("W8tree short_docs", [list(range(i * 512, (i + 1) * 512)) for i in range(64)]),
+    }
+
+
+def all_workloads() -> dict[str, Workload]:
+    return {**varlen_workloads(), **tree_workloads()}

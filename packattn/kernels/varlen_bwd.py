@@ -50,10 +50,11 @@ def bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, total_rows,
 @triton.jit
 def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_q_row, stride_do_row,
                             m_from, m_to, offs_n, len_q, len_kv, qk_scale_log2,
-                            window_left, window_right, chunk_size,
+                            window_left, window_right, chunk_size, key_end,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                             MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                            HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                            HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
+                            INPUT_PRECISION: tl.constexpr):
     """Add the contributions of query blocks ``m_from, m_from + BLOCK_M, ... < m_to`` of one head."""
     for m_start in range(m_from, m_to, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -71,7 +72,7 @@ def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         if MASKED:
             ok = visible_tile_keys_by_queries(offs_n, offs_m, len_q, len_kv, window_left, window_right,
-                                              chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                                              chunk_size, key_end, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
             p_t = tl.where(ok, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -83,15 +84,17 @@ def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
 @triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV, tiles,
-    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, key_end,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_do_row, stride_do_head, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
     stride_lse_head,
     num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TREE: tl.constexpr = False,
 ):
+    """``TREE``: one sequence that is a packed trie, ``key_end`` its `Tree.row_subtree_end`; the
+    tile table then comes from `packattn.backends.triton_tree` (same row format)."""
     pid = tl.program_id(0)
     tile = pid // num_heads_kv
     kv_head = pid % num_heads_kv
@@ -115,19 +118,19 @@ def bwd_dkdv_kernel(
         delta_base = Delta + head.to(tl.int64) * stride_lse_head + row0_q
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_lo, m_mid_lo, offs_n, len_q, len_kv,
-                                         qk_scale_log2, window_left, window_right, chunk_size,
+                                         qk_scale_log2, window_left, window_right, chunk_size, key_end,
                                          HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                         TOP_LEFT, INPUT_PRECISION)
+                                         TOP_LEFT, TREE, INPUT_PRECISION)
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_mid_lo, m_mid_hi, offs_n, len_q, len_kv,
-                                         qk_scale_log2, window_left, window_right, chunk_size,
+                                         qk_scale_log2, window_left, window_right, chunk_size, key_end,
                                          HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                         TOP_LEFT, INPUT_PRECISION)
+                                         TOP_LEFT, TREE, INPUT_PRECISION)
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_mid_hi, m_hi, offs_n, len_q, len_kv,
-                                         qk_scale_log2, window_left, window_right, chunk_size,
+                                         qk_scale_log2, window_left, window_right, chunk_size, key_end,
                                          HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                         TOP_LEFT, INPUT_PRECISION)
+                                         TOP_LEFT, TREE, INPUT_PRECISION)
     store_rows(dK + row0_kv * stride_dk_row + kv_head * stride_dk_head, k_start, stride_dk_row, key_ok, dk * scale,
                HEAD_DIM, BLOCK_D, BLOCK_N)
     store_rows(dV + row0_kv * stride_dv_row + kv_head * stride_dv_head, k_start, stride_dv_row, key_ok, dv,
@@ -137,10 +140,11 @@ def bwd_dkdv_kernel(
 @triton.jit
 def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                         n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
-                        window_left, window_right, chunk_size,
+                        window_left, window_right, chunk_size, key_end,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                         MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                        HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                        HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr):
     """Add the contributions of key blocks ``n_from, n_from + BLOCK_N, ... < n_to`` to dQ."""
     offs_n = tl.arange(0, BLOCK_N)
     for n_start in range(n_from, n_to, BLOCK_N):
@@ -151,8 +155,8 @@ def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
-            ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
-                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+            ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size, key_end,
+                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -195,15 +199,15 @@ def bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                             TOP_LEFT, INPUT_PRECISION)
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                             TOP_LEFT, INPUT_PRECISION)
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                             TOP_LEFT, INPUT_PRECISION)
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     store_rows(dQ + row0_q * stride_dq_row + head * stride_dq_head, q_start, stride_dq_row, row_ok, dq * scale,
                HEAD_DIM, BLOCK_D, BLOCK_M)

@@ -45,25 +45,37 @@ def key_range(aligned, len_kv, window_left, window_right, chunk_size,
 
 
 @triton.jit
-def visible_tile(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_size,
+def visible_tile(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_size, key_end,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                 TOP_LEFT: tl.constexpr):
+                 TOP_LEFT: tl.constexpr, TREE: tl.constexpr):
     """``(len(offs_q), len(offs_k))`` booleans: query ``offs_q[i]`` sees key ``offs_k[j]``
-    (positions within the sequence; queries past ``len_q`` and keys past ``len_kv`` see nothing)."""
-    aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
-    lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
-    ok = (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
+    (positions within the sequence; queries past ``len_q`` and keys past ``len_kv`` see nothing).
+
+    ``TREE``: the sequence is a packed trie (`packattn.Tree`): key ``s`` is visible to queries
+    ``s <= t < key_end[s]`` (``key_end`` = `Tree.row_subtree_end`, the end of the key's subtree);
+    the window/chunk arguments are then unused."""
+    if TREE:
+        ends = tl.load(key_end + offs_k, mask=offs_k < len_kv, other=0)
+        ok = (offs_k[None, :] <= offs_q[:, None]) & (offs_q[:, None] < ends[None, :])
+    else:
+        aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
+        lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+        ok = (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
     return ok & (offs_q < len_q)[:, None]
 
 
 @triton.jit
-def visible_tile_keys_by_queries(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
+def visible_tile_keys_by_queries(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size, key_end,
                                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                                 TOP_LEFT: tl.constexpr):
+                                 TOP_LEFT: tl.constexpr, TREE: tl.constexpr):
     """`visible_tile` transposed: ``(len(offs_k), len(offs_q))``, for kernels that hold keys as rows."""
-    aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
-    lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
-    ok = (offs_k[:, None] >= lo[None, :]) & (offs_k[:, None] < hi[None, :])
+    if TREE:
+        ends = tl.load(key_end + offs_k, mask=offs_k < len_kv, other=0)
+        ok = (offs_k[:, None] <= offs_q[None, :]) & (offs_q[None, :] < ends[:, None])
+    else:
+        aligned = offs_q + aligned_offset(len_q, len_kv, TOP_LEFT)
+        lo, hi = key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+        ok = (offs_k[:, None] >= lo[None, :]) & (offs_k[:, None] < hi[None, :])
     return ok & (offs_q < len_q)[None, :]
 
 
@@ -108,15 +120,15 @@ def store_rows(base, first_row, stride_row, row_ok, tile, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_scale_log2,
-                        window_left, window_right, chunk_size, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                        window_left, window_right, chunk_size, key_end, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                         HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr):
+                        TREE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Fold one key block (``k``, ``v`` at positions ``keys``) into the running base-2 softmax of the
     forward kernels; the element mask is applied only when ``MASKED``."""
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if MASKED:
-        ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
-                          HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        ok = visible_tile(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size, key_end,
+                          HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
         s = tl.where(ok, s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)

@@ -27,10 +27,11 @@ from packattn.kernels.varlen_common import finish_softmax, load_rows, online_sof
 @triton.jit
 def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                        n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
-                       window_left, window_right, chunk_size,
+                       window_left, window_right, chunk_size, key_end,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                       HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
     """Fold key blocks starting at ``n_from, n_from + BLOCK_N, ... < n_to`` into the running softmax."""
     offs_n = tl.arange(0, BLOCK_N)
     for n_start in range(n_from, n_to, BLOCK_N):
@@ -39,8 +40,8 @@ def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_
         k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
         v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_scale_log2,
-                                            window_left, window_right, chunk_size, MASKED, HAS_LEFT, HAS_RIGHT,
-                                            HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+                                            window_left, window_right, chunk_size, key_end, MASKED, HAS_LEFT,
+                                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, INPUT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -77,16 +78,16 @@ def varlen_fwd_kernel(
     # boundary blocks before the fully visible band, the band itself, boundary blocks after it
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                       False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, INPUT_PRECISION)
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
 
     out, lse = finish_softmax(acc, m_i, l_i)  # a row that saw no key: out = 0, lse = -inf
     store_rows(Out + row0_q * stride_o_row + head * stride_o_head, q_start, stride_o_row, row_ok, out,

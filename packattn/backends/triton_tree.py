@@ -1,0 +1,232 @@
+"""Triton tree attention (`packattn.Tree`): tables, launchers, ``torch.library`` custom ops, the backend.
+
+Kernels: `packattn.kernels.tree` (forward, dQ) and `packattn.kernels.varlen_bwd.bwd_dkdv_kernel`
+with ``TREE=True`` (dK/dV). The tree is one "sequence" of ``total`` rows; key ``s`` is visible
+to queries ``s <= t < key_end[s]`` with ``key_end = tree.row_subtree_end()``.
+
+Tables, built once per tree and block size with device ops (cached on the `Tree`, no host sync):
+
+* query tiles (forward, dQ): per key block ``j`` the min / max of ``key_end`` over its rows; key
+  block ``j`` is *visible* to query tile ``[m0, m1)`` when ``n0 < m1`` and ``max_end > m0``, and
+  *full* (no element mask) when it is complete, ``n1 - 1 <= m0`` and ``min_end >= m1``. Runs of
+  consecutive blocks of the same kind (0 invisible, 1 masked, 2 full) become intervals
+  ``[lo, hi, kind]``; each tile row is ``[q_start, first_interval, num_intervals]``. This compares
+  every (query tile, key block) pair: ``O(total^2 / (BLOCK_M * BLOCK_N))`` small integers.
+* key tiles (dK/dV, the varlen row format ``[0, k_start, lo, mid_lo, mid_hi, hi]``): the queries
+  that see key tile ``[n0, n1)`` are ``[n0, max_end)``, every pair visible for queries in
+  ``[n1 - 1, min_end)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from packattn.backends.base import Backend, Problem
+from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
+from packattn.backends.triton_varlen import (
+    DTYPES, HEAD_DIMS, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta, interpreting,
+    launch_config, launch_dkdv, unmasked_band,
+)
+
+def build_query_tiles(key_end: torch.Tensor, total: int, block_m: int, block_n: int):
+    """``(tiles int32 (num_tiles, 3), intervals int32 (n, 3))`` for the forward and dQ kernels."""
+    device = key_end.device
+    nq, nk = -(-total // block_m), -(-total // block_n)
+    kind = block_kinds(key_end, total, block_m, block_n)
+    padded = torch.nn.functional.pad(kind, (1, 1))  # (nq, nk + 2), zero columns on both sides
+    change = padded[:, 1:] != padded[:, :-1]  # (nq, nk + 1): a run of one kind starts at block c
+    # boundaries in row-major order, without a host sync: scatter each into its rank among all
+    # boundaries; unused slots (and the dump slot at the end) keep kind 0
+    flat = change.flatten()
+    slots = nq * (nk + 1)
+    rank = torch.cumsum(flat.to(torch.int64), 0) - 1
+    where = torch.where(flat, rank, torch.full_like(rank, slots))
+    column = torch.arange(nk + 1, device=device).repeat(nq)
+    starts = torch.zeros(slots + 1, dtype=torch.int64, device=device).scatter_(0, where, column)
+    kinds = torch.zeros(slots + 1, dtype=torch.int64, device=device).scatter_(
+        0, where, padded[:, 1:].flatten().long())
+    # a run ends where the next boundary (same row: every row ends with a change to kind 0) starts
+    ends = torch.cat([starts[1:], starts.new_zeros(1)])
+    intervals = torch.stack([starts * block_n, (ends * block_n).clamp(max=nk * block_n), kinds], 1)
+    counts = change.sum(1)
+    first = torch.cumsum(counts, 0) - counts
+    m0 = torch.arange(nq, device=device) * block_m
+    tiles = torch.stack([m0, first, counts], 1)
+    order = torch.argsort((kind > 0).sum(1), descending=True, stable=True)  # longest work first
+    return tiles[order].to(torch.int32).contiguous(), intervals.to(torch.int32).contiguous()
+
+
+def build_key_tiles(key_end: torch.Tensor, total: int, block_n: int, step: int) -> torch.Tensor:
+    """``int32 (num_key_tiles, 6)`` rows ``[0, k_start, lo, mid_lo, mid_hi, hi]`` (query positions),
+    the row format of the varlen dK/dV kernel."""
+    device = key_end.device
+    nk = -(-total // block_n)
+    n0 = torch.arange(nk, device=device) * block_n
+    n1 = (n0 + block_n).clamp(max=total)
+    low, high = block_end_range(key_end, total, block_n)
+    lo, hi = n0, high.clamp(max=total)
+    empty = lo >= hi
+    mid_lo, mid_hi = unmasked_band(lo, hi, n1 - 1, low.clamp(max=total), step, empty)
+    order = torch.argsort(hi - lo, descending=True, stable=True)
+    table = torch.stack([torch.zeros_like(n0), n0, lo, mid_lo, mid_hi, hi], 1)[order]
+    return table.to(torch.int32).contiguous()
+
+
+def tree_tables(tree, head_dim: int, dtype: torch.dtype, device: torch.device, need_grad: bool) -> tuple:
+    """(key_end, fwd tiles, fwd intervals, dq tiles, dq intervals, dkdv tiles, extents), cached on the tree."""
+    fwd = launch_config("fwd", head_dim, dtype, device)
+    dq = launch_config("dq", head_dim, dtype, device)
+    dkdv = launch_config("dkdv", head_dim, dtype, device)
+    total = tree.total
+    key_end = tree.cached("triton_tree_key_end", lambda: tree.row_subtree_end().to(torch.int32).contiguous())
+
+    def query_tables(cfg):
+        return tree.cached(("triton_tree_query_tiles", cfg.block_m, cfg.block_n),
+                           lambda: build_query_tiles(key_end, total, cfg.block_m, cfg.block_n))
+
+    fwd_tiles, fwd_intervals = query_tables(fwd)
+    if need_grad:
+        dq_tiles, dq_intervals = query_tables(dq)
+        dkdv_tiles = tree.cached(("triton_tree_key_tiles", dkdv.block_n, dkdv.block_m),
+                                 lambda: build_key_tiles(key_end, total, dkdv.block_n, dkdv.block_m))
+    else:
+        dq_tiles, dq_intervals, dkdv_tiles = fwd_tiles[:0], fwd_intervals[:0], fwd_tiles.new_empty(0, 6)
+    # the dK/dV kernel reads the tree as one sequence of `total` rows
+    extents = tree.cached("triton_tree_extents",
+                          lambda: (torch.tensor([0, total], dtype=torch.int32, device=device),
+                                   torch.zeros(1, dtype=torch.int32, device=device)))
+    return key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, extents
+
+
+# ---------------------------------------------------------------- custom ops
+@torch.library.custom_op("packattn::tree_fwd", mutates_args=())
+def tree_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: torch.Tensor,
+    fwd_tiles: torch.Tensor, fwd_intervals: torch.Tensor, dq_tiles: torch.Tensor, dq_intervals: torch.Tensor,
+    dkdv_tiles: torch.Tensor, cu_rows: torch.Tensor, row0: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; the dq/dkdv tables and ``cu_rows``/``row0`` are carried for the backward."""
+    from packattn.kernels.tree import tree_fwd_kernel
+
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    total, heads_q, head_dim = q.shape
+    out = q.new_empty(q.shape)
+    lse = torch.empty((heads_q, total), device=q.device, dtype=torch.float32)
+    config = launch_config("fwd", head_dim, q.dtype, q.device)
+    args = (q, k, v, out, lse, fwd_tiles, fwd_intervals, key_end,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), total, heads_q, heads_q // k.shape[1],
+            scale * 1.4426950408889634)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      INPUT_PRECISION=_precision(q.dtype))
+    _launch(tree_fwd_kernel, (fwd_tiles.shape[0] * heads_q,), args, constexprs, config)
+    return out, lse
+
+
+@tree_fwd.register_fake
+def _tree_fwd_fake(q, *rest):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("packattn::tree_bwd", mutates_args=())
+def tree_bwd(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, key_end: torch.Tensor, dq_tiles: torch.Tensor, dq_intervals: torch.Tensor,
+    dkdv_tiles: torch.Tensor, cu_rows: torch.Tensor, row0: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``, deterministic (no atomics): the varlen dK/dV pass with the tree mask and a
+    dQ pass over the query tiles' intervals."""
+    from packattn.kernels.tree import tree_dq_kernel
+
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    lse = lse.contiguous()
+    total, heads_q, head_dim = q.shape
+    delta = bwd_delta(out, dout, lse, dlse)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
+                  HAS_LEFT=False, HAS_RIGHT=False, HAS_CHUNK=False, TOP_LEFT=False)
+    launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, (cu_rows, cu_rows, row0, row0), key_end, scale,
+                (0, 0, 0), common, tree=True)
+    config = launch_config("dq", head_dim, q.dtype, q.device)
+    args = (q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+            total, heads_q, heads_q // k.shape[1], scale * 1.4426950408889634, scale)
+    _launch(tree_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 INPUT_PRECISION=_precision(q.dtype)), config)
+    return dq, dk, dv
+
+
+@tree_bwd.register_fake
+def _tree_bwd_fake(dout, dlse, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_end, _fwd_tiles, _fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0)
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0 = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = tree_bwd(dout, dlse, q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0,
+                          ctx.scale)
+    return (dq, dk, dv) + (None,) * 9
+
+
+tree_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- backend
+class TritonTreeBackend(Backend):
+    """Our Triton tree kernels: a `Tree` descriptor, GQA/MQA, lse, deterministic backward."""
+
+    name = "triton_tree"
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e})"
+        if not torch.cuda.is_available() and not interpreting():
+            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+        return None
+
+    def unsupported(self, params) -> str | None:
+        if params.kind != "tree":
+            return "handles tree descriptors only"
+        if params.device_type == "cpu":
+            if not interpreting():
+                return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
+        elif params.device_type != "cuda":
+            return f"needs CUDA tensors, got {params.device_type}"
+        if params.dtype not in DTYPES:
+            return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
+        if params.head_dim != params.head_dim_v:
+            return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
+        if params.head_dim not in HEAD_DIMS:
+            return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
+        return None
+
+    def auto_skip(self, params) -> str | None:
+        if params.device_type == "cpu":
+            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='triton_tree'"
+        return None
+
+    def run(self, problem: Problem):
+        q, k, v, tree = problem.q, problem.k, problem.v, problem.seqs
+        scale = problem.scale
+        if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)
+            q, scale = -q, -scale
+        need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, (cu_rows, row0) = tree_tables(
+            tree, q.shape[-1], q.dtype, q.device, need_grad)
+        out, lse = torch.ops.packattn.tree_fwd(q, k, v, key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals,
+                                               dkdv_tiles, cu_rows, row0, scale)
+        return out, (lse if problem.return_lse else None)
