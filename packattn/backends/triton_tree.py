@@ -22,11 +22,13 @@ from __future__ import annotations
 import torch
 
 from packattn.backends.base import Backend, Problem
-from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
 from packattn.backends.triton_varlen import (
-    DTYPES, HEAD_DIMS, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta, interpreting,
+    DTYPES, HEAD_DIMS, TritonVarlenBackend, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta, interpreting,
     launch_config, launch_dkdv, unmasked_band,
 )
+from packattn.mask import Mask
+from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
+
 
 def build_query_tiles(key_end: torch.Tensor, total: int, block_m: int, block_n: int):
     """``(tiles int32 (num_tiles, 3), intervals int32 (n, 3))`` for the forward and dQ kernels."""
@@ -220,6 +222,10 @@ class TritonTreeBackend(Backend):
         return None
 
     def run(self, problem: Problem):
+        if problem.seqs.varlen_equivalent is not None:  # no sharing: exactly causal varlen, run as such
+            seqs = problem.seqs.varlen_equivalent
+            return TritonVarlenBackend().run(Problem(problem.q, problem.k, problem.v, seqs, Mask.make(True),
+                                                     problem.scale, problem.return_lse, problem.deterministic))
         q, k, v, tree = problem.q, problem.k, problem.v, problem.seqs
         scale = problem.scale
         if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)

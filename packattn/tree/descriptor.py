@@ -225,6 +225,8 @@ class Tree:
     total: int  # packed rows
     sequence_lengths: list[int]
     max_depth: int  # longest sequence
+    # when every node is a root (no sharing), the same batch as plain causal varlen: one sequence per node
+    varlen_equivalent: Varlen | None = None
     _on_device: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -304,6 +306,7 @@ class Tree:
             total=total,
             sequence_lengths=lengths,
             max_depth=max(lengths, default=0),
+            varlen_equivalent=Varlen.from_lengths(lens.tolist(), device=device) if bool((parent < 0).all()) else None,
         )
 
     # ---------------------------------------------------------------- derived, cached per batch
@@ -319,6 +322,7 @@ class Tree:
                      if isinstance(getattr(self, f.name), torch.Tensor)}
             self._on_device[key] = dataclasses.replace(
                 self, **moved, unpacked=self.unpacked.to(device), sequence_lengths=list(self.sequence_lengths),
+                varlen_equivalent=None if self.varlen_equivalent is None else self.varlen_equivalent.to(device),
                 _on_device={}, _cache={})
         return self._on_device[key]
 
