@@ -11,3 +11,6 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -c "import triton" 2>/dev/null || python -m pip install -q "triton==3.6.0"
 python -m pip install -q -e ".[test]"
+# optional integrations whose tests run in CI too (CPU builds)
+python -c "import jax" 2>/dev/null || python -m pip install -q "jax==0.10.2" "jaxlib==0.10.2"
+python -c "import transformers" 2>/dev/null || python -m pip install -q "transformers==5.18.0"

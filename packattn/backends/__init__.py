@@ -4,6 +4,7 @@ from packattn.backends.fa4 import Fa4Backend
 from packattn.backends.flex import FlexBackend
 from packattn.backends.reference import ReferenceBackend
 from packattn.backends.sdpa import SdpaBackend
+from packattn.backends.small_seq import SmallSeqBackend
 from packattn.backends.torch_varlen import TorchVarlenBackend
 from packattn.backends.triton_tree import TritonTreeBackend
 from packattn.backends.triton_varlen import TritonVarlenBackend
@@ -12,6 +13,7 @@ from packattn.backends.triton_varlen import TritonVarlenBackend
 # kernel on every workload it runs (benchmarks/results/2026-11-22). torch_varlen before flex: no
 # compile on first use.
 REGISTRY = [
+    SmallSeqBackend(),  # first: it accepts only one query over <= 16 keys, the case it is built for
     Fa4Backend(),
     TritonVarlenBackend(),
     TritonTreeBackend(),

@@ -9,6 +9,7 @@ import math
 import torch
 
 import packattn
+from packattn.bench import small_seq
 from packattn.bench.anchors import ANCHORS, EXPANDED_ANCHORS, IMPLS, Unavailable
 from packattn.bench.workloads import TreeWorkload, Workload, all_workloads
 
@@ -82,7 +83,7 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
 
     device = torch.device("cuda")
     table = all_workloads()
-    names = workloads or list(table)
+    names = workloads or [*table, *small_seq.small_seq_workloads()]
     impls = impls or list(IMPLS)
     env = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -95,12 +96,21 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     except ImportError:  # pragma: no cover
         def tqdm(x, **_):
             return x
-    jobs = [(n, i) for n in names for i in impls]
+    bandwidth = small_seq.small_seq_workloads()
+    unknown = [n for n in names if n not in table and n not in bandwidth]
+    if unknown:
+        print(f"unknown workloads {unknown}; known: {', '.join([*table, *bandwidth])}")
+        return 2
+    jobs = [(n, i) for n in names if n in table for i in impls]
+    jobs += [(n, i) for n in names if n in bandwidth for i in small_seq.IMPLS]  # W9 has its own implementations
     for name, impl in tqdm(jobs, desc="bench", mininterval=5):
         if impl == "sdpa_dense" and name not in ("W1", "W2"):
             continue
-        rows.append(run_one(table[name], impl, device))
-    print_table(rows)
+        if name in bandwidth:
+            rows.append(small_seq.run_one(bandwidth[name], impl, device, _do_bench))
+        else:
+            rows.append(run_one(table[name], impl, device))
+    print_table(rows, env)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
@@ -110,10 +120,25 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     return 0
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], env: dict | None = None) -> None:
     by_wl: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_wl.setdefault(r["workload"], {})[r["impl"]] = r
+    bandwidth = {wl: impls for wl, impls in by_wl.items() if any("fwd_TBps" in r for r in impls.values())}
+    if bandwidth:
+        copy = (env or {}).get("copy_TBps")
+        print(f"{'workload':<8} {'impl':<26} {'fwd ms':>8} {'fwd TB/s':>9} {'f+b ms':>8} {'f+b TB/s':>9}"
+              f"  (device-to-device copy: {copy} TB/s)")
+        for wl, impls in bandwidth.items():
+            for impl, r in impls.items():
+                if "error" in r:
+                    print(f"{wl:<8} {impl:<26} {r['error'][:90]}")
+                    continue
+                print(f"{wl:<8} {impl:<26} {r['fwd_ms']:>8.3f} {r['fwd_TBps']:>9.3f} {r['fwdbwd_ms']:>8.3f} "
+                      f"{r['fwdbwd_TBps']:>9.3f}")
+        by_wl = {wl: impls for wl, impls in by_wl.items() if wl not in bandwidth}
+        if not by_wl:
+            return
     header = f"{'workload':<6} {'impl':<16} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9}  ratios (fwd / f+b) vs anchors"
     print(header)
     for wl, impls in by_wl.items():
@@ -138,6 +163,7 @@ def plot(rows: list[dict], path, env) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
+    rows = [r for r in rows if "fwd_TBps" not in r]  # bandwidth workloads (W9) are in the table only
     wls = sorted({r["workload"] for r in rows})
     impls = [i for i in IMPLS if any(r["impl"] == i and "error" not in r for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))

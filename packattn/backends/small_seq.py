@@ -1,0 +1,205 @@
+"""Small-sequence cross-attention (one query over at most 16 keys per sequence): item tables,
+launchers, ``torch.library`` custom ops, the backend.
+
+Kernels live in `packattn.kernels.small_seq`. A batch is a list of *items* described by an int32
+table ``(3, items)`` with rows ``q_rows`` (physical row of the item's query, -1 when it has none),
+``kv_starts`` (physical row of its first key) and ``kv_lens`` (0..16). For a `Varlen` it is built
+with device ops only (no host sync) and cached on the descriptor; for a dense ``(B, S, H, D)``
+batch (`packattn.small_seq.small_seq_attention`) it is ``[b, b * S, kv_lengths[b]]``, so K/V are
+read in place.
+
+The forward (``packattn::small_seq_fwd``) returns ``(out, lse, P)``; ``P`` (float32
+``(items, heads_q, 16)``, the softmax) is kept for the backward (``packattn::small_seq_bwd``),
+which is deterministic (no atomics) and takes the gradient flowing into ``lse`` as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from packattn.backends.base import Backend, Problem
+from packattn.backends.triton_varlen import _fix_interpreter_loop_bounds, _last_dim_contiguous, interpreting
+from packattn.varlen import Varlen
+
+MAX_KEYS = 16  # BLOCK_S of the kernels
+HEAD_DIMS = (64, 128, 256, 512)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Warps per program by head dim, measured on an H200 (W9: 30720 items, heads 16/16, keys 2..16, bf16):
+# time grew about in proportion to the warps (1, 2, 4, 8, 16) at every head dim, so 1 warp, also at
+# 256 where ptxas reports spills (fwd+bwd 3.9 ms at 1 warp, 5.0 at 2). At 512 one warp spills kilobytes
+# in the backward and ran GQA 16/2 about 4x slower than 2 warps, which measured best there.
+NUM_WARPS = {64: 1, 128: 1, 256: 1, 512: 2}
+
+
+def kernel_unsupported(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str | None:
+    """Device, dtype and head-dim limits of the kernels (shared with the dense entry point)."""
+    if device_type == "cpu":
+        if not interpreting():
+            return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
+    elif device_type != "cuda":
+        return f"needs CUDA tensors, got {device_type}"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} not supported (float16, bfloat16, float32)"
+    if head_dim != head_dim_v:
+        return f"head dims {head_dim}/{head_dim_v}: q and v head dims must be equal"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not in {HEAD_DIMS}"
+    return None
+
+
+# ---------------------------------------------------------------- item tables (device ops only)
+def build_items(seqs: Varlen) -> torch.Tensor:
+    """``int32 (3, num_seqs)``: ``q_rows`` (-1 for a sequence with no query), ``kv_starts``, ``kv_lens``."""
+    q_rows = torch.where(seqs.seqlens_q > 0, seqs.starts_q, -1)
+    return torch.stack([q_rows, seqs.starts_kv, seqs.seqlens_kv]).to(torch.int32).contiguous()
+
+
+def item_table(seqs: Varlen) -> torch.Tensor:
+    return seqs.cached("small_seq_items", lambda: build_items(seqs))
+
+
+def dense_items(kv_lengths: torch.Tensor, seqlen_kv: int) -> torch.Tensor:
+    """Items of a dense batch ``k (B, seqlen_kv, H, D)``: item ``b`` reads rows ``b * seqlen_kv + s``.
+    Lengths are clamped to ``[0, seqlen_kv]`` on the device (checking them would sync)."""
+    b = torch.arange(kv_lengths.shape[0], device=kv_lengths.device, dtype=torch.int32)
+    lens = kv_lengths.clamp(0, seqlen_kv).to(torch.int32)
+    return torch.stack([b, b * seqlen_kv, lens]).contiguous()
+
+
+# ---------------------------------------------------------------- launchers / custom ops
+def _launch(kernel, grid: int, args: tuple, constexprs: dict, head_dim: int) -> None:
+    if grid == 0:
+        return
+    if interpreting():
+        _fix_interpreter_loop_bounds()
+        num_warps = 1
+    else:
+        num_warps = NUM_WARPS[head_dim]
+    kernel[(grid,)](*args, **constexprs, BLOCK_S=MAX_KEYS, num_warps=num_warps, num_stages=1)
+
+
+@torch.library.custom_op("packattn::small_seq_fwd", mutates_args=())
+def small_seq_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
+    scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, P)``; ``padded_q``: some query rows belong to no item (zeros / -inf there).
+    ``padded_kv`` and ``kv_fill`` are only carried for the backward."""
+    from packattn.kernels.small_seq import LOG2E, small_seq_fwd_kernel
+
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    num_items = items.shape[1]
+    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
+    lse = torch.full((heads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device) if padded_q else \
+        torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+    p = torch.empty((num_items, heads_q, MAX_KEYS), dtype=torch.float32, device=q.device)
+    args = (q, k, v, out, lse, p, items[0], items[1], items[2],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+            heads_kv, heads_q // heads_kv, scale * LOG2E)
+    _launch(small_seq_fwd_kernel, num_items * heads_kv, args, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim), head_dim)
+    return out, lse, p
+
+
+@small_seq_fwd.register_fake
+def _small_seq_fwd_fake(q, k, v, items, *rest):
+    total_q, heads_q, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32),
+            q.new_empty((items.shape[1], heads_q, MAX_KEYS), dtype=torch.float32))
+
+
+@torch.library.custom_op("packattn::small_seq_bwd", mutates_args=())
+def small_seq_bwd(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    p: torch.Tensor, items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the saved softmax ``p``; ``dlse`` (or None): the gradient into lse."""
+    from packattn.kernels.small_seq import small_seq_bwd_kernel
+
+    dout, q, k, v = (_last_dim_contiguous(x) for x in (dout, q, k, v))
+    p = p.contiguous()
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    heads_kv = k.shape[1]
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else p  # placeholder pointer when there is none
+    dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
+    dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
+    dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
+    args = (q, k, v, p, dout, dlse, dq, dk, dv, items[0], items[1], items[2],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            p.stride(0), p.stride(1), dout.stride(0), dout.stride(1), dlse.stride(0),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            heads_kv, heads_q // heads_kv, scale, kv_fill)
+    _launch(small_seq_bwd_kernel, items.shape[1] * heads_kv, args,
+            dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=has_dlse), head_dim)
+    return dq, dk, dv
+
+
+@small_seq_bwd.register_fake
+def _small_seq_bwd_fake(dout, dlse, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, items, *options = inputs
+    _, _, p = output
+    ctx.save_for_backward(q, k, v, p, items)
+    ctx.options = options  # scale, padded_q, padded_kv, kv_fill
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term
+
+
+def _backward(ctx, dout, dlse, _dp):
+    q, k, v, p, items = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(q)
+    dq, dk, dv = small_seq_bwd(dout, dlse, q, k, v, p, items, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
+
+
+small_seq_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- backend
+class SmallSeqBackend(Backend):
+    """One query per sequence over at most 16 keys (retrieval / recommendation cross-attention):
+    varlen or dense, no restricting mask, GQA/MQA, padding between sequences, lse, deterministic."""
+
+    name = "small_seq"
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e})"
+        if not torch.cuda.is_available() and not interpreting():
+            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+        return None
+
+    def unsupported(self, params) -> str | None:
+        if params.kind not in ("varlen", "dense"):
+            return f"{params.kind} descriptors are not small-sequence batches"
+        if params.max_seqlen_q > 1 or params.max_seqlen_kv > MAX_KEYS:
+            def shown(n):  # dispatch buckets lengths above 16 into 17
+                return f"> {MAX_KEYS}" if n > MAX_KEYS else str(n)
+            return (f"only one query over at most {MAX_KEYS} keys per sequence; got max_seqlen_q "
+                    f"{shown(params.max_seqlen_q)}, max_seqlen_kv {shown(params.max_seqlen_kv)}")
+        mask = params.mask
+        if mask.window is not None or mask.chunk_size is not None:
+            return f"no windows or chunks (mask {mask.describe()}): only masks that keep every key of the query"
+        if mask.causal and mask.align == "top_left" and not params.is_self:
+            return "causal='top_left' hides keys from a single query: only bottom-right causal (= no mask) or none"
+        return kernel_unsupported(params.device_type, params.dtype, params.head_dim, params.head_dim_v)
+
+    def auto_skip(self, params) -> str | None:
+        if params.device_type == "cpu":
+            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='small_seq'"
+        return None
+
+    def run(self, problem: Problem):
+        seqs = problem.seqs
+        out, lse, _ = torch.ops.packattn.small_seq_fwd(
+            problem.q, problem.k, problem.v, item_table(seqs), problem.scale,
+            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, 0)
+        return out, (lse if problem.return_lse else None)
