@@ -9,4 +9,5 @@ from packattn.varlen import Varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["DotProductAttention", "Mask", "NoBackendError", "Tree", "Varlen", "attention", "small_seq_attention", "__version__"]
+__all__ = ["DotProductAttention", "Mask", "NoBackendError", "Tree", "Varlen", "attention", "small_seq_attention",
+           "__version__"]

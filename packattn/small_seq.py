@@ -81,7 +81,8 @@ def _check_tensors(q, k, v) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; small_seq_attention takes float16, bfloat16, float32 or float64")
+            raise TypeError(f"{name} has dtype {t.dtype}; small_seq_attention takes float16, bfloat16, float32 "
+                            "or float64")
         if t.dim() != dims:
             layout = "(B, heads_q, D)" if dims == 3 else "(B, S, heads_kv, D)"
             raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")

@@ -1,0 +1,178 @@
+"""`CPPlan`: which rows of a packed batch each context-parallel rank holds.
+
+Built once per batch from the GLOBAL self-attention `Varlen` (host data only, so every rank
+builds the same plan without communicating). Each document is cut into pieces:
+
+* ``balance="zigzag"``: ``2 * world`` pieces, sizes as even as possible; rank ``r`` holds pieces
+  ``r`` and ``2 * world - 1 - r`` of every document, so under a causal mask every rank gets about
+  the same work. A document shorter than ``2 * world`` leaves some pieces empty; no row is dropped.
+* ``balance="contiguous"``: ``world`` pieces, rank ``r`` holds piece ``r``.
+
+Rows of the physical layout that belong to no document (padding between sequences) are dealt to
+ranks too, in contiguous runs, so `CPPlan.unshard` gives back every row; their outputs are zeros.
+
+A rank's local rows are its global rows in ascending order (for zigzag: piece ``r`` of each
+document, then piece ``2 * world - 1 - r``, document after document).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from packattn.varlen import Varlen
+
+STRATEGIES = ("allgather",)
+NOT_YET = ("p2p", "ring", "a2a", "alltoall", "hybrid")
+BALANCES = ("zigzag", "contiguous")
+
+
+def piece_bounds(lengths: torch.Tensor, num_pieces: int, piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[start, end)`` of piece ``piece`` (int or tensor) when each length is cut into
+    ``num_pieces`` pieces as even as possible (the first ``length % num_pieces`` get one more row)."""
+    base, extra = lengths // num_pieces, lengths % num_pieces
+    piece = torch.as_tensor(piece, dtype=lengths.dtype, device=lengths.device)
+    start = piece * base + torch.minimum(piece, extra)
+    end = (piece + 1) * base + torch.minimum(piece + 1, extra)
+    return start, end
+
+
+def _piece_of_position(pos: torch.Tensor, lengths: torch.Tensor, num_pieces: int) -> torch.Tensor:
+    """Inverse of `piece_bounds`: the piece holding position ``pos`` of a document of ``lengths``."""
+    base, extra = lengths // num_pieces, lengths % num_pieces
+    boundary = extra * (base + 1)  # rows held by the longer pieces
+    in_long = pos // (base + 1)
+    in_short = extra + (pos - boundary) // base.clamp_min(1)
+    return torch.where(pos < boundary, in_long, in_short)
+
+
+@dataclass(eq=False)
+class CPPlan:
+    """Row ownership for one batch on one rank; see the module docstring.
+
+    ``local_rows``: int64 global rows this rank holds, ascending. ``position_ids``: each local
+    row's position in its document (0 for padding rows). ``pieces``: this rank's non-empty
+    pieces as an int64 ``(P, 5)`` tensor of ``(document, start, end, doc_length, doc_first_row)``.
+    """
+
+    descriptor: Varlen
+    group: object
+    world: int
+    rank: int
+    strategy: str
+    balance: str
+    owner: torch.Tensor  # (total,) rank holding each global row
+    flat_pos: torch.Tensor  # (total,) row in the all-gathered (world * max_local) layout
+    max_local: int
+    local_rows: torch.Tensor
+    position_ids: torch.Tensor
+    pieces: torch.Tensor
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_local(self) -> int:
+        return int(self.local_rows.numel())
+
+    @property
+    def total(self) -> int:
+        return int(self.owner.numel())
+
+    def cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global ``(total, ...)`` tensor (autograd flows through)."""
+        if x.shape[0] != self.total:
+            raise ValueError(f"shard expects {self.total} global rows, got shape {tuple(x.shape)}")
+        return x.index_select(0, self.local_rows.to(x.device))
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """All ranks' local rows back in the global ``(total, ...)`` layout, on every rank.
+
+        Autograd-aware: the backward sums the global gradients of all ranks and hands each rank
+        its rows (reduce-scatter), as ``torch.distributed.nn.all_gather`` does.
+        """
+        from packattn.cp.comm import gather_rows  # local import: comm imports nothing from here
+
+        if x_local.shape[0] != self.num_local:
+            raise ValueError(f"unshard expects {self.num_local} local rows, got shape {tuple(x_local.shape)}")
+        flat = gather_rows(x_local, self.max_local, self.world, self.group)
+        return flat.index_select(0, self.flat_pos.to(flat.device))
+
+    def __repr__(self) -> str:
+        return (f"CPPlan(strategy={self.strategy}, balance={self.balance}, rank={self.rank}/{self.world}, "
+                f"local_rows={self.num_local}, pieces={self.pieces.shape[0]}, total={self.total})")
+
+
+def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance: str = "zigzag",
+         world: int | None = None, rank: int | None = None) -> CPPlan:
+    """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
+
+    ``world``/``rank`` override the group's (planning without an initialised process group, e.g.
+    to inspect the sharding); the executors still need the group.
+    """
+    if not isinstance(descriptor, Varlen):
+        if type(descriptor).__name__ == "Tree":
+            raise NotImplementedError("context parallelism over Tree descriptors is not implemented (cp v1: Varlen only)")
+        raise TypeError(f"plan needs a packattn.Varlen, got {type(descriptor).__name__}")
+    if strategy in NOT_YET:
+        raise NotImplementedError(f"CP strategy {strategy!r} is not implemented yet (available: {STRATEGIES})")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    if not descriptor.is_self:
+        raise ValueError("a CP plan needs a self-attention descriptor (lengths_kv=None); got separate q and kv")
+    if descriptor.lengths_q is None or descriptor.host_starts_q is None:
+        raise ValueError("a CP plan needs a Varlen with host lengths (build it with from_lengths / from_cu_seqlens)")
+    if world is None:
+        world = dist.get_world_size(group)
+    if rank is None:
+        rank = dist.get_rank(group)
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"bad world/rank: {world}/{rank}")
+
+    total = descriptor.total_q
+    lengths = torch.tensor(descriptor.lengths_q, dtype=torch.int64)
+    starts = torch.tensor(descriptor.host_starts_q, dtype=torch.int64)
+    num_pieces = 2 * world if balance == "zigzag" else world
+
+    # owner of every global row
+    seq, pos = (t.cpu() for t in descriptor.row_map_q())
+    is_doc = seq >= 0
+    doc_len = lengths[seq.clamp_min(0)] if lengths.numel() else torch.zeros_like(seq)
+    piece = _piece_of_position(pos, doc_len, num_pieces)
+    owner = torch.where(piece < world, piece, num_pieces - 1 - piece) if balance == "zigzag" else piece
+    pad_rows = (~is_doc).nonzero().flatten()
+    pad_owner = torch.arange(pad_rows.numel()) * world // max(pad_rows.numel(), 1)
+    owner = torch.where(is_doc, owner, torch.zeros_like(owner))
+    owner[pad_rows] = pad_owner
+
+    # local index of every row on its owner, and its row in the padded all-gather layout
+    order = torch.sort(owner, stable=True).indices
+    counts = torch.bincount(owner, minlength=world)
+    offsets = torch.cumsum(counts, 0) - counts
+    local_pos = torch.empty_like(owner)
+    local_pos[order] = torch.arange(total) - offsets[owner[order]]
+    max_local = int(counts.max()) if total else 0
+    flat_pos = owner * max_local + local_pos
+
+    local_rows = order[offsets[rank]: offsets[rank] + counts[rank]]
+    position_ids = pos[local_rows]
+
+    # this rank's non-empty pieces: (doc, start, end, length, first row)
+    docs = torch.arange(lengths.numel())
+    mine = [rank] if balance == "contiguous" else [rank, num_pieces - 1 - rank]
+    rows = []
+    for p in mine:
+        a, b = piece_bounds(lengths, num_pieces, p)
+        rows.append(torch.stack([docs, a, b, lengths, starts], dim=1))
+    pieces = torch.cat(rows) if rows else torch.zeros(0, 5, dtype=torch.int64)
+    pieces = pieces[pieces[:, 2] > pieces[:, 1]]
+    pieces = pieces[torch.argsort(pieces[:, 4] + pieces[:, 1], stable=True)]  # ascending global row
+    return CPPlan(descriptor, group, world, rank, strategy, balance, owner, flat_pos, max_local,
+                  local_rows, position_ids, pieces)
