@@ -1,0 +1,16 @@
+"""Context parallelism over ``torch.distributed``: a `CPPlan` per batch (which rows each rank
+holds) and executors that compute the local rows' attention against the whole batch.
+
+    plan = packattn.cp.plan(global_varlen, group)          # same on every rank, no communication
+    q, k, v = (plan.shard(t) for t in (q_g, k_g, v_g))     # or build the local rows directly
+    out = packattn.cp.attention(q, k, v, plan, causal=True)  # local rows of the global result
+    out_g = plan.unshard(out)                               # every rank gets the global layout
+
+v1: strategy "allgather" (all-gather K/V, reduce-scatter dK/dV) with zigzag or contiguous
+balance. Not yet: P2P ring, all-to-all (Ulysses), hybrid, tree descriptors, comm/compute overlap.
+"""
+
+from packattn.cp.allgather import attention
+from packattn.cp.plan import CPPlan, plan
+
+__all__ = ["CPPlan", "attention", "plan"]

@@ -1,0 +1,139 @@
+"""All-gather K/V context parallelism (the Llama-3 recipe): every rank gathers the whole batch's
+K and V, then runs its own queries against the keys they can see.
+
+Local problem. Each non-empty piece ``[a, b)`` of a document of length ``L`` that this rank holds
+becomes one local sequence: queries ``[a, e)`` over keys ``[kl, kh)`` of the document, with
+``e = kh``. Bottom-right alignment then puts local query ``i`` at local key ``i + (kh - kl) -
+(e - a) = (a + i) - kl``: exactly the global position shifted by ``kl``, so causal, windows and
+(because ``kl`` is a multiple of ``chunk_size``) chunks see the same keys as in the global batch
+(a global self-attention batch has offset 0, so its top-left and bottom-right masks agree).
+
+* ``[kl, kh)`` is the union of the keys the piece's queries see (`mask.block_key_range`), widened
+  to ``kh >= b`` and ``kl`` rounded down to a chunk start.
+* Masks that look right of the diagonal (non-causal windows, non-causal chunks) need ``kh > b``;
+  the extra queries ``[b, e)`` are dummy zero rows whose outputs are dropped (wasted work, no
+  effect on values or gradients). A full mask (no rule at all) ignores alignment: queries
+  ``[a, b)`` over the whole document, no dummy rows.
+
+The key rows of all local sequences are gathered (with duplicates where ranges overlap) into one
+contiguous buffer. Backward: the buffer's gradient flows back through the index into the
+all-gathered tensor, whose gradient is reduce-scattered to the ranks owning the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import packattn
+from packattn import mask as masks
+from packattn.cp.comm import gather_rows
+from packattn.cp.plan import CPPlan
+from packattn.mask import Mask
+from packattn.varlen import Varlen
+
+
+@dataclasses.dataclass
+class LocalLayout:
+    """Index maps of one plan for one mask on one device (built once, reused by every layer)."""
+
+    seqs: Varlen  # the local sequences: queries [a, e) over keys [kl, kh) per piece
+    q_index: torch.Tensor  # (rows of the local q buffer,) local row, or num_local for a dummy zero row
+    kv_index: torch.Tensor  # (rows of the local kv buffer,) row in the all-gathered layout
+    out_index: torch.Tensor  # (num_local,) row of the q buffer, or its length for a zero row (padding)
+
+
+def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows laid out as consecutive segments of ``lengths``: each row's segment and offset in it."""
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return seg, torch.arange(seg.numel()) - starts[seg]
+
+
+def local_key_ranges(mask: Mask, a, b, length):
+    """Per piece ``[a, b)`` of documents of ``length``: keys ``[kl, kh)`` and query end ``e``."""
+    if mask.is_full:
+        return torch.zeros_like(a), length, b
+    mask = dataclasses.replace(mask, align="bottom_right")  # same thing in self-attention
+    lo, hi, _, _ = masks.block_key_range(mask, a, b, length, length)
+    if mask.chunk_size is not None:
+        lo = torch.div(lo, mask.chunk_size, rounding_mode="floor") * mask.chunk_size
+    kl = torch.minimum(lo.clamp_min(0), a)
+    kh = torch.maximum(hi, b)
+    return kl, kh, kh
+
+
+def build_layout(plan: CPPlan, mask: Mask, device) -> LocalLayout:
+    _, a, b, length, first = plan.pieces.unbind(1)
+    kl, kh, e = local_key_ranges(mask, a, b, length)
+    n_local = plan.num_local
+    local_start = plan.flat_pos[first + a] - plan.rank * plan.max_local if a.numel() else a
+
+    seg, off = _segments(e - a)
+    q_index = torch.where(off < (b - a)[seg], local_start[seg] + off, torch.full_like(off, n_local))
+    seg_k, off_k = _segments(kh - kl)
+    kv_index = plan.flat_pos[first[seg_k] + kl[seg_k] + off_k]
+    real = q_index < n_local
+    out_index = torch.full((n_local,), q_index.numel(), dtype=torch.int64)
+    out_index[q_index[real]] = torch.arange(q_index.numel())[real]
+
+    seqs = Varlen.from_lengths((e - a).tolist(), (kh - kl).tolist(), device=device)
+    return LocalLayout(seqs, q_index.to(device), kv_index.to(device), out_index.to(device))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: CPPlan,
+    *,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    chunk_size: int | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Attention of this rank's rows (``q, k, v`` with ``plan.num_local`` rows, THD) against the
+    whole batch; same masks and results as `packattn.attention` on the global batch, restricted
+    to the local rows. Returns local ``out`` (and local ``lse (heads_q, num_local)``).
+
+    A collective: every rank of ``plan.group`` must call it (and run its backward) in step.
+    """
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"plan must be a packattn.cp.CPPlan, got {type(plan).__name__}")
+    if plan.strategy != "allgather":
+        raise NotImplementedError(f"CP strategy {plan.strategy!r} has no executor yet")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D (rows, heads, dim) tensor, got {getattr(t, 'shape', t)!r}")
+        if t.shape[0] != plan.num_local:
+            raise ValueError(f"{name} has {t.shape[0]} rows but this rank holds {plan.num_local} (plan.local_rows)")
+    mask = Mask.make(causal, window, chunk_size)
+    layout = plan.cached(("allgather", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
+
+    n, hk, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
+    kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)  # one collective for both
+    flat = gather_rows(kv, plan.max_local, plan.world, plan.group)
+    kv_buf = flat.index_select(0, layout.kv_index)
+    k_buf = kv_buf[:, : hk * d].reshape(-1, hk, d)
+    v_buf = kv_buf[:, hk * d:].reshape(-1, hk, dv)
+    q_buf = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
+
+    hq = q.shape[1]
+    if layout.seqs.num_seqs == 0:  # nothing local; stay attached to the graph so backward runs
+        tie = q_buf.flatten()[:0].sum() + kv_buf.flatten()[:0].sum()
+        out_buf = q.new_zeros(0, hq, dv) + tie
+        lse_buf = torch.zeros(hq, 0, dtype=torch.float32, device=q.device)
+    else:
+        res = packattn.attention(q_buf, k_buf, v_buf, layout.seqs, causal=mask.causal, window=mask.window,
+                                 chunk_size=mask.chunk_size, scale=scale, backend=backend,
+                                 return_lse=return_lse, deterministic=deterministic)
+        out_buf, lse_buf = res if return_lse else (res, None)
+    out = torch.cat([out_buf, out_buf.new_zeros(1, hq, dv)]).index_select(0, layout.out_index)
+    if not return_lse:
+        return out
+    neg_inf = lse_buf.new_full((hq, 1), float("-inf"))
+    return out, torch.cat([lse_buf, neg_inf], dim=1).index_select(1, layout.out_index)
