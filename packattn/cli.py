@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="packattn", description="attention for packed sequences")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="device, versions, and which backends can run here")
-    demo = sub.add_parser("demo", help="run every available backend on packed batches against the reference")
+    demo = sub.add_parser("demo", help="run every available backend on packed batches against the reference, "
+                                       "and a GRPO training step packed as a tree vs as varlen")
+    demo.add_argument("what", nargs="?", choices=("all", "tree"), default="all",
+                      help="all (default): backends, then the tree step; tree: only the GRPO tree-vs-varlen step")
     demo.add_argument("--size", choices=("auto", "small", "large"), default="auto", help="problem size (auto: large on a GPU)")
     demo.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="time the workloads of workloads.md on every implementation (GPU)")
@@ -57,9 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args.workloads, args.impls, args.json, args.plot)
     if args.command == "info":
         return info()
+    from packattn.demo_tree import run_demo_tree
+
+    if args.what == "tree":
+        return run_demo_tree(size=args.size, seed=args.seed)
     from packattn.demo import run_demo
 
-    return run_demo(size=args.size, seed=args.seed)
+    status = run_demo(size=args.size, seed=args.seed)
+    print()
+    return max(status, run_demo_tree(size=args.size, seed=args.seed))
 
 
 if __name__ == "__main__":

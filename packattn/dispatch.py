@@ -87,9 +87,11 @@ def select(params: Params, requested: str = "auto") -> Backend:
     """The backend that runs a call with these params (cached per params + overrides)."""
     forced, disabled = _env()
     key = (params, requested, forced, disabled)
+    compiling = torch.compiler.is_compiling()
     hit = _cache.get(key)
     if hit is not None:
-        _cache.move_to_end(key)
+        if not compiling:  # the cache is not touched while dynamo traces (it cannot replay the mutation)
+            _cache.move_to_end(key)
         return hit
     names = {b.name for b in REGISTRY}
     for name, source in ((requested, "backend="), (forced, "PACKATTN_BACKEND=")):
@@ -101,16 +103,17 @@ def select(params: Params, requested: str = "auto") -> Backend:
         if why is None:
             chosen = next(b for b in REGISTRY if b.name == name)
             break
-        if not torch.compiler.is_compiling():  # logging would break a torch.compile graph
+        if not compiling:  # logging would break a torch.compile graph
             log.debug("packattn: skipping backend %s: %s", name, why)
     if chosen is None:
         lines = "\n".join(f"  {name}: {why}" for name, why in listing)
         raise NoBackendError(f"no packattn backend can run this call ({describe(params)}):\n{lines}")
-    if not torch.compiler.is_compiling():
+    if not compiling:
         log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
-    _cache[key] = chosen
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    if not compiling:
+        _cache[key] = chosen
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
     return chosen
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from packattn.backends.base import Backend, Problem
-from packattn.backends.triton_varlen import _fix_interpreter_loop_bounds, _last_dim_contiguous, interpreting
+from packattn.backends.base import Problem
+from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
+from packattn.backends.triton_varlen import _fix_interpreter_loop_bounds, _last_dim_contiguous
 from packattn.varlen import Varlen
 
 MAX_KEYS = 16  # BLOCK_S of the kernels
@@ -33,11 +34,8 @@ NUM_WARPS = {64: 1, 128: 1, 256: 1, 512: 2}
 
 def kernel_unsupported(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str | None:
     """Device, dtype and head-dim limits of the kernels (shared with the dense entry point)."""
-    if device_type == "cpu":
-        if not interpreting():
-            return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
-    elif device_type != "cuda":
-        return f"needs CUDA tensors, got {device_type}"
+    if (why := device_unsupported(device_type)) is not None:
+        return why
     if dtype not in DTYPES:
         return f"dtype {dtype} not supported (float16, bfloat16, float32)"
     if head_dim != head_dim_v:
@@ -162,20 +160,11 @@ small_seq_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- backend
-class SmallSeqBackend(Backend):
+class SmallSeqBackend(TritonBackend):
     """One query per sequence over at most 16 keys (retrieval / recommendation cross-attention):
     varlen or dense, no restricting mask, GQA/MQA, padding between sequences, lse, deterministic."""
 
     name = "small_seq"
-
-    def unavailable(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            return f"triton is not installed ({e})"
-        if not torch.cuda.is_available() and not interpreting():
-            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
-        return None
 
     def unsupported(self, params) -> str | None:
         if params.kind not in ("varlen", "dense"):
@@ -191,11 +180,6 @@ class SmallSeqBackend(Backend):
         if mask.causal and mask.align == "top_left" and not params.is_self:
             return "causal='top_left' hides keys from a single query: only bottom-right causal (= no mask) or none"
         return kernel_unsupported(params.device_type, params.dtype, params.head_dim, params.head_dim_v)
-
-    def auto_skip(self, params) -> str | None:
-        if params.device_type == "cpu":
-            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='small_seq'"
-        return None
 
     def run(self, problem: Problem):
         seqs = problem.seqs

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from packattn.backends.base import Backend, Problem
+from packattn.backends.base import Problem
+from packattn.backends.triton_base import TritonBackend, device_unsupported
 from packattn.backends.triton_varlen import (
-    DTYPES, HEAD_DIMS, TritonVarlenBackend, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta, interpreting,
+    DTYPES, HEAD_DIMS, TritonVarlenBackend, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta,
     launch_config, launch_dkdv, unmasked_band,
 )
 from packattn.mask import Mask
@@ -186,39 +187,22 @@ tree_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- backend
-class TritonTreeBackend(Backend):
+class TritonTreeBackend(TritonBackend):
     """Our Triton tree kernels: a `Tree` descriptor, GQA/MQA, lse, deterministic backward."""
 
     name = "triton_tree"
 
-    def unavailable(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            return f"triton is not installed ({e})"
-        if not torch.cuda.is_available() and not interpreting():
-            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
-        return None
-
     def unsupported(self, params) -> str | None:
         if params.kind != "tree":
             return "handles tree descriptors only"
-        if params.device_type == "cpu":
-            if not interpreting():
-                return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
-        elif params.device_type != "cuda":
-            return f"needs CUDA tensors, got {params.device_type}"
+        if (why := device_unsupported(params.device_type)) is not None:
+            return why
         if params.dtype not in DTYPES:
             return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
         if params.head_dim != params.head_dim_v:
             return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
         if params.head_dim not in HEAD_DIMS:
             return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
-        return None
-
-    def auto_skip(self, params) -> str | None:
-        if params.device_type == "cpu":
-            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='triton_tree'"
         return None
 
     def run(self, problem: Problem):

@@ -26,17 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from packattn import mask as masks
-from packattn.backends.base import Backend, Problem
+from packattn.backends.base import Problem
+from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.varlen import Varlen
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE_FIELDS = 6  # seq, start, lo, mid_lo, mid_hi, hi
-
-
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on (must be set before the kernel modules are imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------- launch configurations
@@ -364,27 +360,15 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- backend
-class TritonVarlenBackend(Backend):
+class TritonVarlenBackend(TritonBackend):
     """Our Triton kernels: varlen/dense, causal (both alignments), windows, chunks, GQA/MQA,
     padding between sequences, lse, deterministic backward."""
 
     name = "triton"
 
-    def unavailable(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            return f"triton is not installed ({e})"
-        if not torch.cuda.is_available() and not interpreting():
-            return "needs CUDA (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests)"
-        return None
-
     def unsupported(self, params) -> str | None:
-        if params.device_type == "cpu":
-            if not interpreting():
-                return "needs CUDA tensors, got cpu (CPU runs only in Triton's interpreter, TRITON_INTERPRET=1)"
-        elif params.device_type != "cuda":
-            return f"needs CUDA tensors, got {params.device_type}"
+        if (why := device_unsupported(params.device_type)) is not None:
+            return why
         if params.kind == "tree":
             return "tree descriptors are handled by the tree kernels"
         if params.dtype not in DTYPES:
@@ -394,11 +378,6 @@ class TritonVarlenBackend(Backend):
         if params.head_dim not in HEAD_DIMS:
             return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
         return None  # the backward is deterministic by construction, so deterministic=True is fine
-
-    def auto_skip(self, params) -> str | None:
-        if params.device_type == "cpu":
-            return "Triton's interpreter on CPU is for tests: used only when asked for with backend='triton'"
-        return None
 
     def run(self, problem: Problem):
         q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
