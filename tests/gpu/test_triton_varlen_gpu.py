@@ -198,20 +198,3 @@ def test_forward_backward_captures_in_a_cuda_graph(w1_lengths):
     fresh = forward_backward(q, k, v, dout, seqs, "triton", **opts)
     for got, want in zip(captured, fresh):
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("variant", ["tma", "tma_ws"])
-@pytest.mark.parametrize("case", ["w1", "w5_gqa", "cross_top_left"])
-def test_experimental_forward_variants(variant, case, w1_lengths, monkeypatch):
-    """The opt-in forward kernels (PACKATTN_TRITON_FWD) against the reference at full size."""
-    from packattn.backends import triton_varlen
-
-    monkeypatch.setenv(triton_varlen.FWD_VARIANT_ENV, variant)
-    if case == "cross_top_left":
-        seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048], [700, 5, 40, 1500, 2048], device="cuda")
-        check_against_reference(*inputs(seqs, 8, 4), seqs, causal="top_left")
-        return
-    seqs = Varlen.from_lengths(w1_lengths, device="cuda")
-    heads, opts = ((16, 16), {"causal": True}) if case == "w1" else ((32, 8), {"causal": True, "window": (1024, 0)})
-    check_against_reference(*inputs(seqs, *heads), seqs, **opts)
-    assert not torch.equal(captured[0], eager[0])  # the replay really recomputed on the new inputs
