@@ -24,7 +24,7 @@ import torch
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported
 from packattn.backends.triton_varlen import (
-    DTYPES, HEAD_DIMS, TritonVarlenBackend, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta,
+    TritonVarlenBackend, kernel_limits, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta,
     launch_config, launch_dkdv, unmasked_band,
 )
 from packattn.mask import Mask
@@ -197,13 +197,7 @@ class TritonTreeBackend(TritonBackend):
             return "handles tree descriptors only"
         if (why := device_unsupported(params.device_type)) is not None:
             return why
-        if params.dtype not in DTYPES:
-            return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
-        if params.head_dim != params.head_dim_v:
-            return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
-        if params.head_dim not in HEAD_DIMS:
-            return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
-        return None
+        return kernel_limits(params)
 
     def run(self, problem: Problem):
         if problem.seqs.varlen_equivalent is not None:  # no sharing: exactly causal varlen, run as such

@@ -359,6 +359,17 @@ def _backward(ctx, dout, dlse):
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def kernel_limits(params) -> str | None:
+    """Dtype and head-dim limits of the varlen-family kernels (varlen and tree)."""
+    if params.dtype not in DTYPES:
+        return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
+    if params.head_dim != params.head_dim_v:
+        return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
+    if params.head_dim not in HEAD_DIMS:
+        return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
+    return None
+
+
 # ---------------------------------------------------------------- backend
 class TritonVarlenBackend(TritonBackend):
     """Our Triton kernels: varlen/dense, causal (both alignments), windows, chunks, GQA/MQA,
@@ -371,13 +382,8 @@ class TritonVarlenBackend(TritonBackend):
             return why
         if params.kind == "tree":
             return "tree descriptors are handled by the tree kernels"
-        if params.dtype not in DTYPES:
-            return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
-        if params.head_dim != params.head_dim_v:
-            return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
-        if params.head_dim not in HEAD_DIMS:
-            return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
-        return None  # the backward is deterministic by construction, so deterministic=True is fine
+        return kernel_limits(params)  # the backward is deterministic by construction: deterministic=True is fine
+
 
     def run(self, problem: Problem):
         q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
