@@ -77,21 +77,13 @@ def run_demo(size: str = "auto", seed: int = 0) -> int:
                 rows.append((name, backend.name, "-", "-", "-", why))
                 continue
 
-            def step():
+            def step(backend=backend):
                 out = attention(q, k, v, seqs, backend=backend.name, **opts)
                 return out, torch.autograd.grad(out, (q, k, v), dout)
 
-            try:
-                out, grads = step()
-                err_out = (out.float() - ref).abs().max().item()
-                err_grad = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
-                ms = _time(step, device, reps)
-                ok = torch.isfinite(out).all().item() and err_out < (2e-2 if dtype != torch.float32 else 1e-4)
-                failures += not ok
-                rows.append((name, backend.name, f"{err_out:.2e}", f"{err_grad:.2e}", f"{ms:.2f}", "ok" if ok else "MISMATCH"))
-            except Exception as e:  # report, keep going
-                failures += 1
-                rows.append((name, backend.name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]))
+            row = _check_backend(name, backend.name, step, ref, ref_grads, dtype, device, reps)
+            failures += row[-1] != "ok"
+            rows.append(row)
     tree_rows, tree_failures, saved = _tree_case(device, dtype, large, heads, dim, reps, rng)
     rows += tree_rows
     failures += tree_failures
@@ -99,6 +91,20 @@ def run_demo(size: str = "auto", seed: int = 0) -> int:
     print(f"\ntree case: {saved}")
     print(f"\n{'all backends agree with the reference' if not failures else f'{failures} failures'}")
     return 1 if failures else 0
+
+
+def _check_backend(case: str, name: str, step, ref, ref_grads, dtype, device, reps: int) -> tuple:
+    """One table row: ``step() -> (out, grads)`` against the float32 reference, timed; the last
+    field is "ok" only when the output is finite and within tolerance."""
+    try:
+        out, grads = step()
+        err_out = (out.float() - ref).abs().max().item()
+        err_grad = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+        ms = _time(step, device, reps)
+        ok = torch.isfinite(out).all().item() and err_out < (2e-2 if dtype != torch.float32 else 1e-4)
+        return case, name, f"{err_out:.2e}", f"{err_grad:.2e}", f"{ms:.2f}", "ok" if ok else "MISMATCH"
+    except Exception as e:  # report, keep going
+        return case, name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]
 
 
 def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: random.Random):
@@ -133,22 +139,13 @@ def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: rand
             rows.append(("tree (GRPO)", backend.name, "-", "-", "-", why))
             continue
 
-        def step():
+        def step(backend=backend):
             out = tree.gather(attention(q, k, v, tree, backend=backend.name))
             return out, torch.autograd.grad(out, (q, k, v), dout)
 
-        try:
-            out, grads = step()
-            err_out = (out.float() - ref).abs().max().item()
-            err_grad = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
-            ms = _time(step, device, reps)
-            ok = torch.isfinite(out).all().item() and err_out < (2e-2 if dtype != torch.float32 else 1e-4)
-            failures += not ok
-            rows.append(("tree (GRPO)", backend.name, f"{err_out:.2e}", f"{err_grad:.2e}", f"{ms:.2f}",
-                         "ok" if ok else "MISMATCH"))
-        except Exception as e:  # report, keep going
-            failures += 1
-            rows.append(("tree (GRPO)", backend.name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]))
+        row = _check_backend("tree (GRPO)", backend.name, step, ref, ref_grads, dtype, device, reps)
+        failures += row[-1] != "ok"
+        rows.append(row)
     return rows, failures, saved
 
 

@@ -24,6 +24,25 @@ from packattn.kernels.varlen_fwd import _attend_key_blocks
 
 
 @triton.jit
+def _tile(tiles, num_heads_q, group_size):
+    """This program's query head, kv head, and its tile row ``[q_start, first_interval, count]``."""
+    pid = tl.program_id(0)
+    tile = pid // num_heads_q
+    head = pid % num_heads_q
+    q_start = tl.load(tiles + tile * 3)
+    first = tl.load(tiles + tile * 3 + 1)
+    count = tl.load(tiles + tile * 3 + 2)
+    return head, head // group_size, q_start, first, count
+
+
+@triton.jit
+def _interval(intervals, index):
+    """Interval row ``[lo, hi, kind]``."""
+    at = intervals + index * 3
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2)
+
+
+@triton.jit
 def tree_fwd_kernel(
     Q, K, V, Out, Lse, tiles, intervals, key_end,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
@@ -32,13 +51,7 @@ def tree_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = pid // num_heads_q
-    head = pid % num_heads_q
-    kv_head = head // group_size
-    q_start = tl.load(tiles + tile * 3)
-    first = tl.load(tiles + tile * 3 + 1)
-    count = tl.load(tiles + tile * 3 + 2)
+    head, kv_head, q_start, first, count = _tile(tiles, num_heads_q, group_size)
     offs_m = q_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < total
     q = load_rows(Q + head * stride_q_head, q_start, stride_q_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, True)
@@ -48,10 +61,7 @@ def tree_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(count):
-        at = intervals + (first + i) * 3
-        lo = tl.load(at)
-        hi = tl.load(at + 1)
-        kind = tl.load(at + 2)
+        lo, hi, kind = _interval(intervals, first + i)
         if kind == 1:
             acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                                lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
@@ -76,13 +86,7 @@ def tree_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = pid // num_heads_q
-    head = pid % num_heads_q
-    kv_head = head // group_size
-    q_start = tl.load(tiles + tile * 3)
-    first = tl.load(tiles + tile * 3 + 1)
-    count = tl.load(tiles + tile * 3 + 2)
+    head, kv_head, q_start, first, count = _tile(tiles, num_heads_q, group_size)
     offs_m = q_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < total
     q = load_rows(Q + head * stride_q_head, q_start, stride_q_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, True)
@@ -95,10 +99,7 @@ def tree_dq_kernel(
     v_base = V + kv_head * stride_v_head
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(count):
-        at = intervals + (first + i) * 3
-        lo = tl.load(at)
-        hi = tl.load(at + 1)
-        kind = tl.load(at + 2)
+        lo, hi, kind = _interval(intervals, first + i)
         if kind == 1:
             dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                                      lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
