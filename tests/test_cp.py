@@ -238,8 +238,9 @@ def test_plan_zigzag_balances_causal_work():
 
 def test_plan_errors():
     seqs = Varlen.from_lengths([4, 5])
-    with pytest.raises(NotImplementedError, match="ring"):
-        cp.plan(seqs, world=2, rank=0, strategy="ring")
+    with pytest.raises(ValueError, match="strategy"):
+        cp.plan(seqs, world=2, rank=0, strategy="rings")
+    assert cp.plan(seqs, world=2, rank=0, strategy="ring").strategy == "p2p"
     with pytest.raises(ValueError, match="balance"):
         cp.plan(seqs, world=2, rank=0, balance="random")
     with pytest.raises(ValueError, match="self-attention"):

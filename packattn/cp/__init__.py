@@ -10,7 +10,7 @@ v1: strategy "allgather" (all-gather K/V, reduce-scatter dK/dV) with zigzag or c
 balance. Not yet: P2P ring, all-to-all (Ulysses), hybrid, tree descriptors, comm/compute overlap.
 """
 
-from packattn.cp.allgather import attention
+from packattn.cp.api import attention
 from packattn.cp.plan import CPPlan, plan
 
 __all__ = ["CPPlan", "attention", "plan"]

@@ -96,21 +96,7 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
 ):
-    """Attention of this rank's rows (``q, k, v`` with ``plan.num_local`` rows, THD) against the
-    whole batch; same masks and results as `packattn.attention` on the global batch, restricted
-    to the local rows. Returns local ``out`` (and local ``lse (heads_q, num_local)``).
-
-    A collective: every rank of ``plan.group`` must call it (and run its backward) in step.
-    """
-    if not isinstance(plan, CPPlan):
-        raise TypeError(f"plan must be a packattn.cp.CPPlan, got {type(plan).__name__}")
-    if plan.strategy != "allgather":
-        raise NotImplementedError(f"CP strategy {plan.strategy!r} has no executor yet")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D (rows, heads, dim) tensor, got {getattr(t, 'shape', t)!r}")
-        if t.shape[0] != plan.num_local:
-            raise ValueError(f"{name} has {t.shape[0]} rows but this rank holds {plan.num_local} (plan.local_rows)")
+    """The all-gather executor of `packattn.cp.attention` (arguments checked there)."""
     mask = Mask.make(causal, window, chunk_size)
     layout = plan.cached(("allgather", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
 

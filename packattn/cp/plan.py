@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from packattn.varlen import Varlen
 
-STRATEGIES = ("allgather",)
-NOT_YET = ("p2p", "ring", "a2a", "alltoall", "hybrid")
+STRATEGIES = ("allgather", "p2p", "a2a", "a2a+p2p")
+ALIASES = {"ring": "p2p", "alltoall": "a2a", "ulysses": "a2a", "hybrid": "a2a+p2p"}
 BALANCES = ("zigzag", "contiguous")
 
 
@@ -119,8 +119,7 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
         if type(descriptor).__name__ == "Tree":
             raise NotImplementedError("context parallelism over Tree descriptors is not implemented (cp v1: Varlen only)")
         raise TypeError(f"plan needs a packattn.Varlen, got {type(descriptor).__name__}")
-    if strategy in NOT_YET:
-        raise NotImplementedError(f"CP strategy {strategy!r} is not implemented yet (available: {STRATEGIES})")
+    strategy = ALIASES.get(strategy, strategy)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if balance not in BALANCES:
