@@ -55,6 +55,9 @@ def _cases():
     for i, ((doc, mask), balance) in enumerate(itertools.product(itertools.product(DOCS, MASKS), ("zigzag", "contiguous"))):
         cases[f"{doc}-{mask}-{balance}"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3],
                                                 dtype="float64", seed=i)
+    for i, (doc, mask) in enumerate(itertools.product(("nasty", "padded"), MASKS)):  # some documents whole, some cut
+        cases[f"{doc}-{mask}-documents"] = dict(doc=doc, mask=mask, balance="documents", heads=HEADS[i % 3],
+                                                dtype="float64", seed=500 + i)
     for doc, mask in (("nasty", "causal"), ("padded", "win_2_3"), ("one_doc", "causal_chunk")):
         cases[f"{doc}-{mask}-float32"] = dict(doc=doc, mask=mask, balance="zigzag", heads=HEADS[1],
                                               dtype="float32", seed=1000)
@@ -210,7 +213,7 @@ def test_cp_unshard_backward_sums_over_ranks(results):
 
 
 # ------------------------------------------------------------------ plan only (no process group)
-@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous", "documents"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_plan_partitions_every_row(world, balance):
     seqs = Varlen.from_lengths([1, 0, 7, 3, 29, 2, 16], pad_to_multiple=3)
@@ -234,6 +237,29 @@ def test_plan_zigzag_balances_causal_work():
     work_contig = [sum((b * (b + 1) - a * (a + 1)) // 2 for _, a, b, _, _ in
                        cp.plan(seqs, world=4, rank=r, balance="contiguous").pieces.tolist()) for r in range(4)]
     assert max(work_contig) / min(work_contig) > 3
+
+
+def test_plan_documents_keeps_short_documents_whole():
+    from packattn.bench.workloads import doc_lengths
+    from packattn.cp.allgather import build_layout
+    from packattn.mask import Mask
+
+    for world in (2, 4, 8):
+        seqs = Varlen.from_lengths(doc_lengths(32768 * world, seed=0))  # W10
+        plans = [cp.plan(seqs, world=world, rank=r, balance="documents") for r in range(world)]
+        tokens = [p.num_local for p in plans]
+        work = [sum((b * (b + 1) - a * (a + 1)) // 2 for _, a, b, _, _ in p.pieces.tolist()) for p in plans]
+        assert max(tokens) / min(tokens) < 1.02 and max(work) / min(work) < 1.02, (tokens, work)
+        cut = [length > 32768 / 2 for length in seqs.lengths_q]
+        for p in plans:
+            whole = p.pieces[:, 1].eq(0) & p.pieces[:, 2].eq(p.pieces[:, 3])
+            assert all(bool(w) or cut[d] for d, w in zip(p.pieces[:, 0].tolist(), whole.tolist()))
+        if not any(cut):  # nothing to communicate
+            assert build_layout(plans[0], Mask.make(True, None, None), "cpu").max_shared == 0
+    # one document longer than half a rank's share is cut over every rank, the others stay whole
+    seqs = Varlen.from_lengths([100, 5, 7, 3])
+    owners = cp.plan(seqs, world=2, rank=0, balance="documents").owner
+    assert set(owners[:100].tolist()) == {0, 1} and len(set(owners[100:105].tolist())) == 1
 
 
 def test_plan_errors():

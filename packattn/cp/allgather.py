@@ -15,9 +15,12 @@ becomes one local sequence: queries ``[a, e)`` over keys ``[kl, kh)`` of the doc
   effect on values or gradients). A full mask (no rule at all) ignores alignment: queries
   ``[a, b)`` over the whole document, no dummy rows.
 
-The key rows of all local sequences are gathered (with duplicates where ranges overlap) into one
-contiguous buffer. Backward: the buffer's gradient flows back through the index into the
-all-gathered tensor, whose gradient is reduce-scattered to the ranks owning the rows.
+Only documents held by more than one rank are communicated: each rank all-gathers its rows of those
+documents (one collective for K and V; none at all when every document is whole on one rank, e.g.
+with ``balance="documents"``); keys of its own rows are read locally. The key rows of all local
+sequences are then copied (with duplicates where ranges overlap) into one contiguous buffer.
+Backward: the buffer's gradient flows back through that index to the local rows and to the
+gathered tensor, whose gradient is reduce-scattered to the ranks owning the rows.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class LocalLayout:
 
     seqs: Varlen  # the local sequences: queries [a, e) over keys [kl, kh) per piece
     q_index: torch.Tensor  # (rows of the local q buffer,) local row, or num_local for a dummy zero row
-    kv_index: torch.Tensor  # (rows of the local kv buffer,) row in the all-gathered layout
+    kv_index: torch.Tensor  # (rows of the local kv buffer,) local row, or num_local + row of the gathered layout
+    send_index: torch.Tensor  # local rows of documents shared with other ranks (what this rank contributes)
+    max_shared: int  # rows per rank in the gathered layout (0: nothing to communicate)
     out_index: torch.Tensor  # (num_local,) row of the q buffer, or its length for a zero row (padding)
 
 
@@ -64,22 +69,53 @@ def local_key_ranges(mask: Mask, a, b, length):
     return kl, kh, kh
 
 
+def _shared_rows(plan: CPPlan) -> tuple[torch.Tensor, int]:
+    """``(gathered_pos, max_shared)``: for every global row of a document held by more than one rank,
+    its row in the gathered layout (``owner * max_shared + index among the owner's such rows``);
+    -1 for the other rows."""
+    seq = plan.descriptor.row_map_q()[0].cpu()
+    owner = plan.owner
+    is_doc = seq >= 0
+    num_docs = len(plan.descriptor.lengths_q)
+    lo = torch.full((num_docs,), plan.world, dtype=torch.int64)
+    hi = torch.full((num_docs,), -1, dtype=torch.int64)
+    doc = seq[is_doc]
+    lo = lo.scatter_reduce(0, doc, owner[is_doc], "amin")
+    hi = hi.scatter_reduce(0, doc, owner[is_doc], "amax")
+    shared = is_doc & (hi > lo)[seq.clamp_min(0)] if num_docs else is_doc
+    counts = torch.bincount(owner[shared], minlength=plan.world)
+    max_shared = int(counts.max()) if shared.any() else 0
+    order = torch.sort(owner * shared.numel() + torch.arange(shared.numel()))  # by owner, then row
+    rank_in_owner = torch.empty_like(owner)
+    rank_in_owner[order.indices] = torch.cumsum(shared[order.indices].long(), 0) - 1
+    offsets = torch.cumsum(counts, 0) - counts
+    rank_in_owner = rank_in_owner - offsets[owner]
+    gathered = torch.where(shared, owner * max_shared + rank_in_owner, torch.full_like(owner, -1))
+    return gathered, max_shared
+
+
 def build_layout(plan: CPPlan, mask: Mask, device) -> LocalLayout:
     _, a, b, length, first = plan.pieces.unbind(1)
     kl, kh, e = local_key_ranges(mask, a, b, length)
     n_local = plan.num_local
-    local_start = plan.flat_pos[first + a] - plan.rank * plan.max_local if a.numel() else a
+    local_pos = plan.flat_pos - plan.owner * plan.max_local  # every row's index on its owner
+    local_start = local_pos[first + a] if a.numel() else a
 
     seg, off = _segments(e - a)
     q_index = torch.where(off < (b - a)[seg], local_start[seg] + off, torch.full_like(off, n_local))
     seg_k, off_k = _segments(kh - kl)
-    kv_index = plan.flat_pos[first[seg_k] + kl[seg_k] + off_k]
+    key_rows = first[seg_k] + kl[seg_k] + off_k
+    gathered, max_shared = _shared_rows(plan)
+    mine = plan.owner[key_rows] == plan.rank
+    kv_index = torch.where(mine, local_pos[key_rows], n_local + gathered[key_rows])
+    send_index = local_pos[plan.local_rows[gathered[plan.local_rows] >= 0]]
     real = q_index < n_local
     out_index = torch.full((n_local,), q_index.numel(), dtype=torch.int64)
     out_index[q_index[real]] = torch.arange(q_index.numel())[real]
 
     seqs = Varlen.from_lengths((e - a).tolist(), (kh - kl).tolist(), device=device)
-    return LocalLayout(seqs, q_index.to(device), kv_index.to(device), out_index.to(device))
+    return LocalLayout(seqs, q_index.to(device), kv_index.to(device), send_index.to(device), max_shared,
+                       out_index.to(device))
 
 
 def attention(
@@ -102,8 +138,10 @@ def attention(
 
     n, hk, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
     kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)  # one collective for both
-    flat = gather_rows(kv, plan.max_local, plan.world, plan.group)
-    kv_buf = flat.index_select(0, layout.kv_index)
+    if layout.max_shared:
+        shared = gather_rows(kv.index_select(0, layout.send_index), layout.max_shared, plan.world, plan.group)
+        kv = torch.cat([kv, shared])
+    kv_buf = kv.index_select(0, layout.kv_index)
     k_buf = kv_buf[:, : hk * d].reshape(-1, hk, d)
     v_buf = kv_buf[:, hk * d:].reshape(-1, hk, dv)
     q_buf = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)

@@ -7,6 +7,9 @@ builds the same plan without communicating). Each document is cut into pieces:
   ``r`` and ``2 * world - 1 - r`` of every document, so under a causal mask every rank gets about
   the same work. A document shorter than ``2 * world`` leaves some pieces empty; no row is dropped.
 * ``balance="contiguous"``: ``world`` pieces, rank ``r`` holds piece ``r``.
+* ``balance="documents"``: documents stay whole where that balances (see `document_ranks`): each
+  goes to one rank and needs no communication; only documents longer than half a rank's share of
+  tokens are cut zigzag. Ranks then hold about (not exactly) the same number of tokens.
 
 Rows of the physical layout that belong to no document (padding between sequences) are dealt to
 ranks too, in contiguous runs, so `CPPlan.unshard` gives back every row; their outputs are zeros.
@@ -26,7 +29,7 @@ from packattn.varlen import Varlen
 
 STRATEGIES = ("allgather", "p2p", "a2a", "a2a+p2p")
 ALIASES = {"ring": "p2p", "alltoall": "a2a", "ulysses": "a2a", "hybrid": "a2a+p2p"}
-BALANCES = ("zigzag", "contiguous")
+BALANCES = ("zigzag", "contiguous", "documents")
 
 
 def piece_bounds(lengths: torch.Tensor, num_pieces: int, piece) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +73,14 @@ class CPPlan:
     position_ids: torch.Tensor
     pieces: torch.Tensor
     _cache: dict = field(default_factory=dict, repr=False)
+    # strategy "a2a+p2p" only (see packattn.cp.hybrid): the 2-D DeviceMesh, the plan of the outer
+    # mesh dimension (the rows this rank's inner group holds, run by the outer executor), and the
+    # inner dimension's group, size and this rank's index in it (all-to-all over heads)
+    mesh: object = field(default=None, repr=False)
+    outer: CPPlan | None = field(default=None, repr=False)
+    inner_group: object = field(default=None, repr=False)
+    inner_world: int = 1
+    inner_rank: int = 0
 
     @property
     def num_local(self) -> int:
@@ -109,11 +120,17 @@ class CPPlan:
 
 
 def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance: str = "zigzag",
-         world: int | None = None, rank: int | None = None) -> CPPlan:
+         world: int | tuple[int, int] | None = None, rank: int | None = None,
+         outer: str | None = None) -> CPPlan:
     """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
 
+    ``group``: a process group, a 1-D ``DeviceMesh`` (its group), or for ``strategy="a2a+p2p"`` a
+    2-D ``DeviceMesh`` (outer dimension: all-gather / P2P of K/V; inner: all-to-all over heads;
+    see `packattn.cp.hybrid`). ``outer`` names the a2a+p2p outer executor ("allgather" or "p2p";
+    None: "p2p" when ``packattn.cp.ring`` exists, else "allgather").
     ``world``/``rank`` override the group's (planning without an initialised process group, e.g.
-    to inspect the sharding); the executors still need the group.
+    to inspect the sharding; for a2a+p2p ``world=(outer, inner)`` and ``rank = outer_rank * inner +
+    inner_rank``); the executors still need the group.
     """
     if not isinstance(descriptor, Varlen):
         if type(descriptor).__name__ == "Tree":
@@ -128,6 +145,18 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
         raise ValueError("a CP plan needs a self-attention descriptor (lengths_kv=None); got separate q and kv")
     if descriptor.lengths_q is None or descriptor.host_starts_q is None:
         raise ValueError("a CP plan needs a Varlen with host lengths (build it with from_lengths / from_cu_seqlens)")
+    mesh = group if type(group).__name__ == "DeviceMesh" else None
+    if mesh is not None and mesh.ndim == 1:
+        group = mesh.get_group()
+    elif mesh is not None and strategy != "a2a+p2p":
+        raise ValueError(f"a {mesh.ndim}-D DeviceMesh needs strategy='a2a+p2p'; for strategy={strategy!r} "
+                         "pass one dimension's group (mesh.get_group(dim)) or a 1-D mesh")
+    if strategy == "a2a+p2p":
+        from packattn.cp.hybrid import build_plan  # local import: hybrid imports this module
+
+        return build_plan(descriptor, mesh, balance=balance, world=world, rank=rank, outer=outer)
+    if outer is not None:
+        raise ValueError(f"outer= names the outer executor of strategy 'a2a+p2p'; got it with strategy={strategy!r}")
     if world is None:
         world = dist.get_world_size(group)
     if rank is None:
@@ -138,18 +167,10 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
     total = descriptor.total_q
     lengths = torch.tensor(descriptor.lengths_q, dtype=torch.int64)
     starts = torch.tensor(descriptor.host_starts_q, dtype=torch.int64)
-    num_pieces = 2 * world if balance == "zigzag" else world
 
     # owner of every global row
     seq, pos = (t.cpu() for t in descriptor.row_map_q())
-    is_doc = seq >= 0
-    doc_len = lengths[seq.clamp_min(0)] if lengths.numel() else torch.zeros_like(seq)
-    piece = _piece_of_position(pos, doc_len, num_pieces)
-    owner = torch.where(piece < world, piece, num_pieces - 1 - piece) if balance == "zigzag" else piece
-    pad_rows = (~is_doc).nonzero().flatten()
-    pad_owner = torch.arange(pad_rows.numel()) * world // max(pad_rows.numel(), 1)
-    owner = torch.where(is_doc, owner, torch.zeros_like(owner))
-    owner[pad_rows] = pad_owner
+    owner = _row_owner(seq, pos, lengths, world, balance)
 
     # local index of every row on its owner, and its row in the padded all-gather layout
     order = torch.sort(owner, stable=True).indices
@@ -162,16 +183,66 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
 
     local_rows = order[offsets[rank]: offsets[rank] + counts[rank]]
     position_ids = pos[local_rows]
-
-    # this rank's non-empty pieces: (doc, start, end, length, first row)
-    docs = torch.arange(lengths.numel())
-    mine = [rank] if balance == "contiguous" else [rank, num_pieces - 1 - rank]
-    rows = []
-    for p in mine:
-        a, b = piece_bounds(lengths, num_pieces, p)
-        rows.append(torch.stack([docs, a, b, lengths, starts], dim=1))
-    pieces = torch.cat(rows) if rows else torch.zeros(0, 5, dtype=torch.int64)
-    pieces = pieces[pieces[:, 2] > pieces[:, 1]]
-    pieces = pieces[torch.argsort(pieces[:, 4] + pieces[:, 1], stable=True)]  # ascending global row
+    pieces = _pieces(seq[local_rows], pos[local_rows], local_rows, lengths, starts)
     return CPPlan(descriptor, group, world, rank, strategy, balance, owner, flat_pos, max_local,
                   local_rows, position_ids, pieces)
+
+
+def document_ranks(lengths: torch.Tensor, world: int) -> torch.Tensor:
+    """``balance="documents"``: the rank holding each whole document, or -1 for a document cut
+    zigzag over all ranks.
+
+    A document longer than half of a rank's fair share of tokens is cut (zigzag balances its causal
+    work exactly). The others stay whole: longest first, each goes to the rank whose larger relative
+    load -- tokens over the fair share of tokens, causal work ``L (L + 1) / 2`` over the fair share
+    of work -- ends up smallest (ties: the lowest rank). Whole documents need no communication."""
+    lens = [int(x) for x in lengths.tolist()]
+    work = [x * (x + 1) // 2 for x in lens]
+    fair_tokens = max(sum(lens) / world, 1.0)
+    fair_work = max(sum(work) / world, 1.0)
+    ranks = [-1] * len(lens)
+    cut = [i for i, x in enumerate(lens) if x > fair_tokens / 2]
+    tokens = [sum(lens[i] for i in cut) / world] * world
+    loads = [sum(work[i] for i in cut) / world] * world
+    for i in sorted(set(range(len(lens))) - set(cut), key=lambda i: (-lens[i], i)):
+        best = min(range(world), key=lambda r: (max((tokens[r] + lens[i]) / fair_tokens,
+                                                    (loads[r] + work[i]) / fair_work), r))
+        ranks[i] = best
+        tokens[best] += lens[i]
+        loads[best] += work[i]
+    return torch.tensor(ranks, dtype=torch.int64)
+
+
+def _row_owner(seq: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor, world: int, balance: str) -> torch.Tensor:
+    """Rank of every global row (``seq``/``pos``: each row's document and position, seq -1 for padding).
+
+    Document rows follow ``balance``; padding rows between sequences are dealt out in contiguous runs."""
+    is_doc = seq >= 0
+    doc = seq.clamp_min(0)
+    doc_len = lengths[doc] if lengths.numel() else torch.zeros_like(seq)
+    num_pieces = world if balance == "contiguous" else 2 * world
+    piece = _piece_of_position(pos, doc_len, num_pieces)
+    owner = piece if balance == "contiguous" else torch.where(piece < world, piece, num_pieces - 1 - piece)
+    if balance == "documents" and lengths.numel():
+        whole = document_ranks(lengths, world)[doc]
+        owner = torch.where(whole >= 0, whole, owner)
+    pad_rows = (~is_doc).nonzero().flatten()
+    owner = torch.where(is_doc, owner, torch.zeros_like(owner))
+    owner[pad_rows] = torch.arange(pad_rows.numel()) * world // max(pad_rows.numel(), 1)
+    return owner
+
+
+def _pieces(seq: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+            starts: torch.Tensor) -> torch.Tensor:
+    """``(P, 5)`` pieces ``(document, start, end, doc_length, doc_first_row)``: the maximal runs of
+    consecutive positions of one document among a rank's ``rows`` (ascending; padding rows skipped)."""
+    keep = seq >= 0
+    seq, pos, rows = seq[keep], pos[keep], rows[keep]
+    if seq.numel() == 0:
+        return torch.zeros(0, 5, dtype=torch.int64)
+    new = torch.ones_like(seq, dtype=torch.bool)
+    new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
+    first = new.nonzero().flatten()
+    last = torch.cat([first[1:], first.new_tensor([seq.numel()])]) - 1
+    doc = seq[first]
+    return torch.stack([doc, pos[first], pos[last] + 1, lengths[doc], starts[doc]], dim=1)
