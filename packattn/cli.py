@@ -53,7 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--impls", nargs="*", help="implementations (default: all)")
     bench.add_argument("--json", help="write results as JSON here")
     bench.add_argument("--plot", help="write a PNG bar chart here")
+    bench.add_argument("--cp", action="store_true", help="context parallelism: W10 on every GPU of a torchrun "
+                       "launch (torchrun --nproc_per_node N -m packattn.cli bench --cp)")
+    bench.add_argument("--strategies", nargs="*", help="--cp: CP strategies (default: allgather p2p a2a a2a+p2p)")
+    bench.add_argument("--balances", nargs="*", help="--cp: plan balances (default: zigzag documents)")
+    bench.add_argument("--backend", default="triton", help="--cp: attention backend of the local problems")
+    bench.add_argument("--no-check", action="store_true", help="--cp: skip the comparison with one GPU")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.cp:
+        from packattn.bench.cp import run_cp_bench
+
+        return run_cp_bench(args.strategies, args.balances, args.backend, args.json, check=not args.no_check)
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 

@@ -36,3 +36,19 @@ def test_bad_command_lines_exit_with_usage():
     with pytest.raises(SystemExit) as info:
         cli.main(["demo", "--size", "huge"])
     assert info.value.code == 2
+
+
+def test_bench_cp_needs_torchrun(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["bench", "--cp"]) == 2
+    assert "torchrun" in capsys.readouterr().out
+
+
+def test_exposed_communication_counts_only_uncovered_nccl_time():
+    from packattn.bench.cp import exposed_communication
+
+    kernels = [("ncclDevKernel_AllGather", 0.0, 100.0), ("attn_fwd", 50.0, 80.0),
+               ("ncclDevKernel_ReduceScatter", 90.0, 200.0), ("attn_bwd", 150.0, 160.0), ("attn_bwd", 300.0, 400.0)]
+    comm, exposed = exposed_communication(kernels)
+    assert comm == 0.2 and abs(exposed - 0.16) < 1e-12
+    assert exposed_communication([("k", 0.0, 5.0)]) == (0.0, 0.0)

@@ -1,0 +1,212 @@
+"""`packattn bench --cp`: W10 (workloads.md) on several GPUs, launched with torchrun.
+
+    torchrun --nproc_per_node 2 -m packattn.cli bench --cp [--strategies ...] [--balances ...] --json W10.json
+
+32768 tokens per GPU of ``doc_lengths(32768 * world, seed=0)``, heads 32/8, head_dim 128, causal,
+bf16. For every (strategy, balance): the result against one GPU on the same global inputs (rank 0
+computes it: relative L2 errors of out, lse, dq, dk, dv), the slowest rank's forward and
+forward+backward time, attention-only TF/s per GPU = useful FLOPs / (time x world), parallel
+efficiency = that / the same backend's single-GPU TF/s on W2, the communication time and the part
+of it not hidden behind computation (from a profiler trace of one forward+backward on rank 0: NCCL
+kernel time, and NCCL kernel time during which no other kernel ran), and peak memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import packattn
+import packattn.cp as cp
+from packattn.bench.workloads import Workload, doc_lengths
+
+STRATEGIES = ("allgather", "p2p", "a2a", "a2a+p2p")
+BALANCES = ("zigzag", "documents")
+TOKENS_PER_GPU = 32768
+
+
+def w10(world: int) -> Workload:
+    return Workload("W10", doc_lengths(TOKENS_PER_GPU * world, seed=0), heads_q=32, heads_kv=8,
+                    options={"causal": True})
+
+
+def _timed(fn, reps: int = 20) -> float:
+    """Median ms of ``fn`` over a fixed number of calls (the same on every rank: collectives inside),
+    the slowest rank's."""
+    for _ in range(3):
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    worst = torch.tensor([sorted(times)[reps // 2]], device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def exposed_communication(kernels: list[tuple[str, float, float]]) -> tuple[float, float]:
+    """``(communication_ms, exposed_ms)`` from ``(name, start_us, end_us)`` GPU kernels: the time
+    covered by NCCL kernels, and the part of it during which no other kernel ran."""
+    comm = _union([(s, e) for n, s, e in kernels if "nccl" in n.lower()])
+    busy = _union([(s, e) for n, s, e in kernels if "nccl" not in n.lower()])
+    total = sum(e - s for s, e in comm)
+    hidden = 0.0
+    for s, e in comm:
+        for bs, be in busy:
+            hidden += max(0.0, min(e, be) - max(s, bs))
+    return total / 1e3, (total - hidden) / 1e3
+
+
+def _profile_kernels(fn) -> list[tuple[str, float, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return out
+
+
+def _group_for(strategy: str, world: int):
+    """The process group, or for a2a+p2p a 2-D DeviceMesh (outer, inner) with inner = 2 where possible."""
+    if strategy != "a2a+p2p":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    inner = 2 if world % 2 == 0 else 1
+    return init_device_mesh("cuda", (world // inner, inner), mesh_dim_names=("cp_outer", "cp_inner"))
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(b)
+    return float((a[finite] - b[finite]).norm() / b[finite].norm().clamp_min(1e-30))
+
+
+def _single_gpu_w2(backend: str) -> tuple[float, float]:
+    import triton.testing
+
+    w = Workload("W2", doc_lengths(TOKENS_PER_GPU, seed=0), heads_q=32, heads_kv=8, options={"causal": True})
+    seqs, q, k, v = w.make_inputs("cuda", torch.bfloat16)
+    dout = torch.randn_like(q)
+
+    def fwd():
+        return packattn.attention(q, k, v, seqs, causal=True, backend=backend)
+
+    f = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+    fb = triton.testing.do_bench(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), warmup=10, rep=50,
+                                 return_mode="median")
+    return w.fwd_flops() / f / 1e9, 3.5 * w.fwd_flops() / fb / 1e9
+
+
+def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_path: str | None = None,
+                 check: bool = True) -> int:
+    if "RANK" not in os.environ:
+        print("packattn bench --cp runs under torchrun, e.g.\n"
+              "  torchrun --nproc_per_node 2 -m packattn.cli bench --cp --json W10.json")
+        return 2
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    w = w10(world)
+    seqs, q, k, v = w.make_inputs("cuda", torch.bfloat16, seed=0)  # the same global inputs on every rank
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(1))
+    single = _single_gpu_w2(backend) if rank == 0 else (0.0, 0.0)
+    ref = None
+    if check and rank == 0:
+        out, lse = packattn.attention(q, k, v, seqs, causal=True, backend=backend, return_lse=True)
+        ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+    flops = w.fwd_flops()
+    rows = []
+    for strategy in strategies or STRATEGIES:
+        group = _group_for(strategy, world)
+        for balance in balances or BALANCES:
+            rows.append(_run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check))
+            if rank == 0:
+                print(_format_row(rows[-1]), flush=True)
+    if rank == 0:
+        env = {"gpu": torch.cuda.get_device_name(), "world": world, "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "packattn": packattn.__version__,
+               "date": datetime.date.today().isoformat(), "backend": backend,
+               "single_gpu_W2_tflops": {"fwd": round(single[0], 1), "fwdbwd": round(single[1], 1)}}
+        print(f"\n{env['gpu']} x{world}, torch {env['torch']}, triton {env['triton']}, backend {backend}; "
+              f"single-GPU W2 {single[0]:.1f} / {single[1]:.1f} TF/s")
+        for row in rows:
+            print(_format_row(row))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"env": env, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    row = {"workload": "W10", "impl": f"packattn:cp:{strategy}:{balance}", "world": world}
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        p = cp.plan(seqs, group, strategy=strategy, balance=balance)
+        ql, kl, vl = (p.shard(x).detach().requires_grad_() for x in (q, k, v))
+        dl = p.shard(dout)
+
+        def fwd():
+            return cp.attention(ql, kl, vl, p, causal=True, backend=backend, return_lse=True)
+
+        def fwdbwd():
+            out, _ = fwd()
+            torch.autograd.grad(out, (ql, kl, vl), dl)
+
+        if check:  # every rank unshards (a collective); rank 0 compares
+            out_l, lse_l = fwd()
+            grads = torch.autograd.grad(out_l, (ql, kl, vl), dl)
+            got = [p.unshard(out_l.detach()), p.unshard(lse_l.detach().t().contiguous()).t()] + [p.unshard(g) for g in grads]
+            if rank == 0 and ref is not None:
+                row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
+        fwd_ms, fwdbwd_ms = _timed(lambda: fwd()), _timed(fwdbwd)
+        comm, exposed = exposed_communication(_profile_kernels(fwdbwd))
+        fwd_tf, fb_tf = flops / (fwd_ms * world) / 1e9, 3.5 * flops / (fwdbwd_ms * world) / 1e9
+        row.update(fwd_ms=round(fwd_ms, 3), fwdbwd_ms=round(fwdbwd_ms, 3), fwd_tflops=round(fwd_tf, 1),
+                   fwdbwd_tflops=round(fb_tf, 1), comm_ms_fwdbwd=round(comm, 3), exposed_comm_ms_fwdbwd=round(exposed, 3),
+                   peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), local_rows=p.num_local)
+        if single[0]:
+            row.update(eff_fwd=round(fwd_tf / single[0], 3), eff_fwdbwd=round(fb_tf / single[1], 3))
+    except Exception as e:  # noqa: BLE001 -- report and go on with the next strategy (every rank fails alike)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def _format_row(row: dict) -> str:
+    name = f"{row['impl'].removeprefix('packattn:cp:'):22s}"
+    if "error" in row:
+        return f"{name} ERROR {row['error']}"
+    errors = row.get("errors", {})
+    worst = max(errors.values()) if errors else float("nan")
+    return (f"{name} fwd {row['fwd_ms']:7.3f} ms {row['fwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwd', 0):.2f} | "
+            f"fwd+bwd {row['fwdbwd_ms']:7.3f} ms {row['fwdbwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwdbwd', 0):.2f} | "
+            f"comm {row['comm_ms_fwdbwd']:.3f} ms, exposed {row['exposed_comm_ms_fwdbwd']:.3f} ms | "
+            f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e}")
