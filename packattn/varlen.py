@@ -323,6 +323,23 @@ class Varlen:
     def row_map_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cached("row_map_kv", lambda: _row_map(self.starts_kv, self.seqlens_kv, self.total_kv))
 
+    def padding_rows(self, side: str) -> torch.Tensor | None:
+        """Physical rows of ``side`` ("q" or "kv") that belong to no sequence: int64 on this
+        descriptor's device, built from the host lengths and starts (no GPU sync), cached; None
+        when the descriptor has no host copies (kernels then zero whole outputs instead)."""
+        lengths, starts, total = ((self.lengths_q, self.host_starts_q, self.total_q) if side == "q"
+                                  else (self.lengths_kv, self.host_starts_kv, self.total_kv))
+        if lengths is None or starts is None:
+            return None
+
+        def build():
+            used = torch.zeros(total, dtype=torch.bool)
+            for start, length in zip(starts, lengths):
+                used[start: start + length] = True
+            return (~used).nonzero().flatten().to(self.device, non_blocking=True)
+
+        return self.cached(("padding_rows", side), build)
+
     def __repr__(self) -> str:
         pad = ", pad_between_seqs" if self.pad_between_seqs else ""
         return (

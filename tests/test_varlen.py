@@ -238,3 +238,13 @@ def test_from_lengths_accepts_numpy_arrays():
     assert seqs.cu_seqlens_q_padded.tolist() == [0, 4, 4, 12]
     with pytest.raises(TypeError, match="integers"):
         Varlen.from_lengths(np.array([1.5, 2.0]))
+
+
+def test_padding_rows_match_the_row_map():
+    seqs = Varlen.from_lengths([5, 0, 13, 1, 9], [3, 4, 0, 2, 64], pad_to_multiple=4)
+    for side, row_map in (("q", seqs.row_map_q), ("kv", seqs.row_map_kv)):
+        expected = (row_map()[0] < 0).nonzero().flatten()
+        assert torch.equal(seqs.padding_rows(side), expected) and expected.numel() > 0
+    assert Varlen.from_lengths([3, 4]).padding_rows("q").numel() == 0
+    device_only = Varlen.from_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=4)
+    assert device_only.lengths_q is not None or device_only.padding_rows("q") is None

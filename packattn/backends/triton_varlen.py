@@ -234,18 +234,18 @@ def varlen_fwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
     q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-    padded_q: bool, padded_kv: bool,
+    padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` are only carried for the backward."""
+    """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` (and ``pad_rows_kv``) are only carried for the
+    backward. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None."""
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     # rows in no sequence are never written by the kernel: they must start as zeros / -inf
-    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)  # contiguous, as the fake says
-    lse = torch.full((heads_q, total_q), float("-inf"), device=q.device, dtype=torch.float32) if padded_q \
-        else torch.empty((heads_q, total_q), device=q.device, dtype=torch.float32)
+    out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
+    lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     config = launch_config("fwd", head_dim, q.dtype, q.device)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -256,6 +256,17 @@ def varlen_fwd(
                       **_mask_constexprs(window_left, window_right, chunk_size, top_left))
     _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
     return out, lse
+
+
+def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
+                dim: int = 0) -> torch.Tensor:
+    """An output the kernels write except on rows in no sequence: those hold ``fill``. With the
+    padding rows known only they are filled, otherwise the whole tensor."""
+    if not padded:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if pad_rows is None:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device).index_fill_(dim, pad_rows, fill)
 
 
 @varlen_fwd.register_fake
@@ -270,7 +281,7 @@ def varlen_bwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
     dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-    padded_q: bool, padded_kv: bool,
+    padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
@@ -282,9 +293,9 @@ def varlen_bwd(
     heads_q, head_dim = q.shape[1], q.shape[2]
     group = heads_q // k.shape[1]
     delta = bwd_delta(out, dout, lse, dlse)
-    dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)  # contiguous, as the fake says
-    dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
-    dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
+    dq = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
+    dk = _new_output(k.shape, k.dtype, k.device, padded_kv, pad_rows_kv)
+    dv = _new_output(v.shape, v.dtype, v.device, padded_kv, pad_rows_kv)
     mask_args = (window_left, window_right, chunk_size)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
                   **_mask_constexprs(window_left, window_right, chunk_size, top_left))
@@ -342,18 +353,19 @@ def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles)
+    options, pad_rows = options[:7], (list(options[7:]) + [None, None])[:2]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, *pad_rows)
     ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
-                            dq_tiles, dkdv_tiles, *ctx.options)
-    return (dq, dk, dv) + (None,) * 14
+                            dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
+    return (dq, dk, dv) + (None,) * 16
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -405,5 +417,7 @@ class TritonVarlenBackend(TritonBackend):
             q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles,
             scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
+            seqs.padding_rows("q") if seqs.cu_seqlens_q_padded is not None else None,
+            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None,
         )
         return out, (lse if problem.return_lse else None)
