@@ -63,6 +63,12 @@ HOPPER_CONFIGS = {
     ("dkdv", 128): LaunchConfig(32, 64, 4, 3),
     ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
 }
+# Forward when some sequence has >= LONG_SEQLEN queries: for head dims 96/128, 8 warps with BLOCK_N 64
+# measured 18% faster than (128, 32, 4, 4) on W4 (one 32k document, chunks of 8192: 474 vs 402 TF/s),
+# while (128, 32, 4, 4) stays best on W1/W8's mixes of shorter documents and W2 ties
+# (benchmarks/results/2026-11-22/tune_w4_h200.txt, tune_fwd_dkdv_v7_h200.txt).
+LONG_SEQLEN = 8192
+HOPPER_LONG_FWD_CONFIGS = {128: LaunchConfig(128, 64, 8, 3)}
 # other CUDA GPUs (Ampere/Ada: less shared memory)
 FALLBACK_CONFIGS = {
     ("fwd", 128): LaunchConfig(64, 64, 4, 2),
@@ -97,9 +103,11 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
+                  long_seqs: bool = False) -> LaunchConfig:
     """Block sizes and launch options of ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
-    same block sizes, so both sides call this."""
+    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least
+    ``LONG_SEQLEN`` queries (the forward may pick other tiles then)."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_CONFIGS[kernel]
     bd = block_d(head_dim)
@@ -108,6 +116,8 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         table = HOPPER_CONFIGS if _is_hopper(index) else FALLBACK_CONFIGS
+        if kernel == "fwd" and long_seqs and table is HOPPER_CONFIGS and bd in HOPPER_LONG_FWD_CONFIGS:
+            return HOPPER_LONG_FWD_CONFIGS[bd]
     return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
 
 
@@ -235,9 +245,11 @@ def varlen_fwd(
     q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
+    long_seqs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` (and ``pad_rows_kv``) are only carried for the
-    backward. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None."""
+    backward. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
+    ``long_seqs``: the forward config of `launch_config` that ``q_tiles`` was built with."""
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -246,7 +258,7 @@ def varlen_fwd(
     # rows in no sequence are never written by the kernel: they must start as zeros / -inf
     out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
     lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
-    config = launch_config("fwd", head_dim, q.dtype, q.device)
+    config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
@@ -353,7 +365,7 @@ def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
     out, lse = output
-    options, pad_rows = options[:7], (list(options[7:]) + [None, None])[:2]
+    options, pad_rows = options[:7], (list(options[7:9]) + [None, None])[:2]
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, *pad_rows)
     ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
@@ -365,7 +377,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
                             dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * 17
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -403,7 +415,8 @@ class TritonVarlenBackend(TritonBackend):
         if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)
             q, scale = -q, -scale
         head_dim = q.shape[-1]
-        fwd = launch_config("fwd", head_dim, q.dtype, q.device)
+        long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
+        fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
@@ -418,6 +431,6 @@ class TritonVarlenBackend(TritonBackend):
             scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
             seqs.padding_rows("q") if seqs.cu_seqlens_q_padded is not None else None,
-            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None,
+            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None, long_seqs,
         )
         return out, (lse if problem.return_lse else None)
