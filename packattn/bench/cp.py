@@ -187,6 +187,7 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
             got = [p.unshard(out_l.detach()), p.unshard(lse_l.detach().t().contiguous()).t()] + [p.unshard(g) for g in grads]
             if rank == 0 and ref is not None:
                 row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
+            row["deterministic_bitwise"] = _bitwise_repeatable(ql, kl, vl, dl, p, backend)
         fwd_ms, fwdbwd_ms = _timed(lambda: fwd()), _timed(fwdbwd)
         comm, exposed = exposed_communication(_profile_kernels(fwdbwd))
         fwd_tf, fb_tf = flops / (fwd_ms * world) / 1e9, 3.5 * flops / (fwdbwd_ms * world) / 1e9
@@ -200,6 +201,18 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
     return row
 
 
+def _bitwise_repeatable(q, k, v, dout, plan, backend) -> bool:
+    """Two forward+backward runs with ``deterministic=True`` give bitwise-equal out, lse and
+    gradients on every rank."""
+    runs = []
+    for _ in range(2):
+        out, lse = cp.attention(q, k, v, plan, causal=True, backend=backend, return_lse=True, deterministic=True)
+        runs.append([out, lse, *torch.autograd.grad(out, (q, k, v), dout)])
+    same = torch.tensor([all(torch.equal(a, b) for a, b in zip(*runs))], device="cuda", dtype=torch.int32)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def _format_row(row: dict) -> str:
     name = f"{row['impl'].removeprefix('packattn:cp:'):22s}"
     if "error" in row:
@@ -209,4 +222,5 @@ def _format_row(row: dict) -> str:
     return (f"{name} fwd {row['fwd_ms']:7.3f} ms {row['fwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwd', 0):.2f} | "
             f"fwd+bwd {row['fwdbwd_ms']:7.3f} ms {row['fwdbwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwdbwd', 0):.2f} | "
             f"comm {row['comm_ms_fwdbwd']:.3f} ms, exposed {row['exposed_comm_ms_fwdbwd']:.3f} ms | "
-            f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e}")
+            f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e} | "
+            f"deterministic {'bitwise' if row.get('deterministic_bitwise') else 'DIFFERS'}")
