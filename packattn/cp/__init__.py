@@ -7,7 +7,11 @@ holds) and executors that compute the local rows' attention against the whole ba
     out_g = plan.unshard(out)                               # every rank gets the global layout
 
 v1: strategy "allgather" (all-gather K/V, reduce-scatter dK/dV) with zigzag or contiguous
-balance. Not yet: P2P ring, all-to-all (Ulysses), hybrid, tree descriptors, comm/compute overlap.
+balance; "a2a" (all-to-all over heads, Ulysses: `packattn.cp.alltoall`); "a2a+p2p" on a 2-D
+DeviceMesh (all-to-all inside the inner dimension, K/V exchange across the outer:
+`packattn.cp.hybrid`); "p2p" (P2P ring: K/V rotate rank to rank, sends overlapping compute;
+causal or full masks: `packattn.cp.ring`). Not yet: tree descriptors, windows and chunks in the
+ring (use "allgather"), comm/compute overlap in "allgather".
 """
 
 from packattn.cp.api import attention

@@ -44,3 +44,34 @@ class _GatherRows(torch.autograd.Function):
 def gather_rows(x: torch.Tensor, max_rows: int, world: int, group=None) -> torch.Tensor:
     """All-gather rows with a reduce-scatter backward; see `_GatherRows`."""
     return _GatherRows.apply(x, max_rows, world, group)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Forward: ``x (world * rows, ...)`` cut into ``world`` equal blocks of rows; block ``j`` goes
+    to rank ``j``, and block ``j`` of the result is what rank ``j`` sent here. Backward: the same
+    exchange on the gradient (the exchange transposes the block matrix, so it is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, world: int, group):
+        ctx.world, ctx.group = world, group
+        return _exchange(x, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.world, ctx.group), None, None
+
+
+def _exchange(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    x = x.contiguous()
+    if world == 1 or x.numel() == 0:  # the same on every rank of the group: its ranks exchange equal blocks
+        return x.clone()
+    if x.shape[0] % world:
+        raise ValueError(f"all_to_all_rows needs a multiple of world={world} rows, got {x.shape[0]}")
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, world: int, group=None) -> torch.Tensor:
+    """All-to-all of equal blocks of rows with an all-to-all backward; see `_AllToAllRows`."""
+    return _AllToAllRows.apply(x, world, group)

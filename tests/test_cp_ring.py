@@ -1,0 +1,320 @@
+"""Context parallelism, P2P ring (`packattn.cp.ring`, strategy "p2p") against single-process attention.
+
+One gloo group per world size (2 and 4) runs every case (tests/cp_harness.py: spawn once per
+world with a deadline, workers write JSON). Same seeded global inputs on every rank; out, lse,
+dq, dk, dv gathered back to the global layout and compared with single-process float64.
+
+Precision. The ring merges per-step results through their lse, and backends return lse in
+float32 (also for float64 inputs), so with the reference backend the float64 ring is exact only
+to float32 rounding of the merge weights (errors ~1e-7; bound `TOL64_LSE32`). To check that the
+algorithm itself is exact (1e-10), the workers also register a test-only float64 brute-force
+backend "exact64" that returns its lse in float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import packattn
+from cp_harness import check, errors_vs_single, finish, init_gloo, max_err, spawn
+from packattn import cp
+from packattn import mask as masks
+from packattn.backends.base import Backend
+from packattn.cp import ring
+from packattn.varlen import Varlen
+
+WORLDS = (2, 4)
+SPAWN_TIMEOUT_S = 120
+TOL64 = 1e-10  # float64 with float64 lse (the "exact64" test backend)
+TOL64_LSE32 = 2e-6  # float64 with the reference backend: merge weights from float32 lse (~1e-7 errors seen)
+
+DOCS = {
+    "nasty": dict(lengths=[1, 0, 7, 3, 29, 2], pad=None),  # shorter than 2 * world, empty, length 1, long
+    "one_doc": dict(lengths=[37], pad=None),  # one document spanning every rank
+    "padded": dict(lengths=[5, 0, 13, 1, 9], pad=4),  # padding between sequences and at the end
+    "tiny": dict(lengths=[2, 1], pad=None),  # some ranks hold nothing
+    "singles": dict(lengths=[1, 1, 1], pad=None),  # every document whole on one rank: no messages at all
+}
+MASKS = {"causal": dict(causal=True), "top_left": dict(causal="top_left"), "full": dict()}
+HEADS = [(4, 4, 8, 8), (4, 2, 8, 6), (4, 1, 4, 4)]  # (heads_q, heads_kv, head_dim, head_dim_v)
+TRITON_HEADS = (2, 1, 32, 32)  # the Triton kernels take head dims 32, 64, ...
+
+
+def _cases():
+    cases = {}
+    for i, (doc, mask, balance) in enumerate(itertools.product(DOCS, MASKS, ("zigzag", "contiguous"))):
+        cases[f"{doc}-{mask}-{balance}"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3],
+                                                dtype="float64", seed=i, backend="reference", tol=TOL64_LSE32)
+    for i, (doc, mask) in enumerate(itertools.product(DOCS, ("causal", "full"))):  # top_left: the same as causal
+        balance = ("zigzag", "contiguous")[(i + i // 2) % 2]
+        cases[f"{doc}-{mask}-{balance}-exact64"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3],
+                                                        dtype="float64", seed=100 + i, backend="exact64", tol=TOL64)
+    for doc, mask, balance in (("nasty", "causal", "zigzag"), ("padded", "full", "contiguous"),
+                               ("one_doc", "causal", "contiguous")):
+        cases[f"{doc}-{mask}-{balance}-float32"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[1],
+                                                        dtype="float32", seed=1000, backend="reference", tol=None)
+    for doc, mask in (("nasty", "causal"), ("padded", "full")):  # two deterministic=True runs, bitwise
+        cases[f"{doc}-{mask}-deterministic"] = dict(doc=doc, mask=mask, balance="zigzag", heads=HEADS[1],
+                                                    dtype="float32", seed=2000, backend="reference", tol=None,
+                                                    deterministic=True)
+    if ring_triton_available():  # Triton's interpreter on CPU is slow: two small cases, world 2 only
+        for doc, mask, balance in (("padded", "causal", "zigzag"), ("one_doc", "full", "contiguous")):
+            cases[f"{doc}-{mask}-{balance}-triton"] = dict(doc=doc, mask=mask, balance=balance, heads=TRITON_HEADS,
+                                                           dtype="float32", seed=3000, backend="triton", tol=None,
+                                                           worlds=(2,))
+    return cases
+
+
+# lse in the loss too (the dlse term of the backward): (doc, mask, balance, backend, dtype)
+LSE_LOSS_CASES = [("nasty", "causal", "zigzag", "exact64", "float64"),
+                  ("padded", "full", "contiguous", "exact64", "float64"),
+                  ("one_doc", "causal", "contiguous", "reference", "float32"),
+                  ("tiny", "causal", "zigzag", "triton", "float32")]
+
+
+# world 4 only: the ring inside process groups {0, 2} and {1, 3} (group ranks differ from global ranks)
+SUBGROUP_CASES = {
+    "subgroup-nasty-causal-zigzag-exact64": dict(doc="nasty", mask="causal", balance="zigzag", heads=HEADS[1],
+                                                 dtype="float64", seed=500, backend="exact64", tol=TOL64),
+    "subgroup-padded-full-contiguous": dict(doc="padded", mask="full", balance="contiguous", heads=HEADS[2],
+                                            dtype="float64", seed=501, backend="reference", tol=TOL64_LSE32),
+}
+
+
+def ring_triton_available() -> bool:
+    from packattn.backends import triton_varlen
+
+    return triton_varlen.TritonVarlenBackend().unavailable() is None
+
+
+CASES = _cases()
+
+
+# ------------------------------------------------------------------ test-only backend: float64 lse
+class Exact64Backend(Backend):
+    """Float64 brute force per sequence (autograd) that returns lse in float64, unlike every real
+    backend; lets the ring's merge and backward be checked to 1e-10."""
+
+    name = "exact64"
+
+    def unsupported(self, params):
+        return None if params.kind == "varlen" and params.dtype == torch.float64 else "float64 varlen only"
+
+    def run(self, problem):
+        q, k, v, seqs, mask, scale = problem.q, problem.k, problem.v, problem.seqs, problem.mask, problem.scale
+        group = q.shape[1] // k.shape[1]
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2]) + 0 * (q.sum() + k.sum() + v.sum())
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
+        for i, (lq, lk) in enumerate(zip(seqs.lengths_q, seqs.lengths_kv)):
+            if lq == 0:
+                continue
+            sq, sk = seqs.host_starts_q[i], seqs.host_starts_kv[i]
+            rows = torch.arange(sq, sq + lq)
+            qs = q[sq: sq + lq].transpose(0, 1)
+            ks = k[sk: sk + lk].repeat_interleave(group, dim=1).transpose(0, 1)
+            vs = v[sk: sk + lk].repeat_interleave(group, dim=1).transpose(0, 1)
+            s = (qs @ ks.transpose(1, 2)) * scale
+            s = s.masked_fill(~masks.dense_mask(mask, lq, lk), -math.inf)  # every row sees a key in the ring's steps
+            row_lse = torch.logsumexp(s, dim=-1)
+            out = out.index_copy(0, rows, (torch.exp(s - row_lse[..., None]) @ vs).transpose(0, 1))
+            lse = lse.index_copy(1, rows, row_lse)
+        return out, (lse if problem.return_lse else None)
+
+
+# ------------------------------------------------------------------ worker side
+def _run_case(case, group=None):
+    spec = DOCS[case["doc"]]
+    seqs = Varlen.from_lengths(spec["lengths"], pad_to_multiple=spec["pad"])
+
+    def make_plan(seqs):
+        return cp.plan(seqs, group, strategy="p2p", balance=case["balance"])
+
+    return errors_vs_single(seqs, MASKS[case["mask"]], case["heads"], getattr(torch, case["dtype"]), case["seed"],
+                            make_plan, backend=case["backend"], check_deterministic=case.get("deterministic", False))
+
+
+def _lse_loss_errors(doc, mask, balance, backend, dtype):
+    """Gradients of ``sum(out * g) + sum(lse * h)`` (finite lse): ring vs single-process float64."""
+    spec, mask = DOCS[doc], MASKS[mask]
+    seqs = Varlen.from_lengths(spec["lengths"], pad_to_multiple=spec["pad"])
+    hq, hk, d, dv = TRITON_HEADS if backend == "triton" else HEADS[1]
+    gen = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(seqs.total_q, h, dim, generator=gen, dtype=torch.float64)
+              for h, dim in ((hq, d), (hk, d), (hk, dv))]
+    g = torch.randn(seqs.total_q, hq, dv, generator=gen, dtype=torch.float64)
+    h = torch.randn(hq, seqs.total_q, generator=gen, dtype=torch.float64)
+
+    def loss_grads(fn, tensors, g, h):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out, lse = fn(*leaves)
+        ((out * g).sum() + (torch.where(torch.isfinite(lse), lse, 0).to(h.dtype) * h).sum()).backward()
+        return [t.grad for t in leaves]
+
+    def single(q, k, v):
+        return packattn.attention(q, k, v, seqs, backend="reference", return_lse=True, **mask)
+
+    ref = loss_grads(single, inputs, g, h)
+    dtype = getattr(torch, dtype)
+    plan = cp.plan(seqs, strategy="p2p", balance=balance)
+    local = loss_grads(lambda q, k, v: cp.attention(q, k, v, plan, backend=backend, return_lse=True, **mask),
+                       [plan.shard(t.to(dtype)) for t in inputs], plan.shard(g.to(dtype)),
+                       plan.shard(h.t().contiguous()).t().to(dtype))
+    errors = {"cp": {name: max_err(plan.unshard(t), r) for name, t, r in zip(("dq", "dk", "dv"), local, ref)}}
+    if dtype != torch.float64:
+        same_dtype = loss_grads(single, [t.to(dtype) for t in inputs], g.to(dtype), h.to(dtype))
+        errors["single"] = {name: max_err(t, r) for name, t, r in zip(("dq", "dk", "dv"), same_dtype, ref)}
+    return errors
+
+
+def _worker(rank, world, init_file, out_dir, case_names):
+    init_gloo(rank, world, init_file, SPAWN_TIMEOUT_S)
+    packattn.backends.REGISTRY.append(Exact64Backend())  # this process only; asked for by name
+    triton_steps = []
+    step_grads_triton = ring._step_grads_triton
+
+    def counting(*args, **kwargs):  # which backward path ran: count the Triton one
+        triton_steps.append(1)
+        return step_grads_triton(*args, **kwargs)
+
+    ring._step_grads_triton = counting
+    results = {}
+    try:
+        for name in case_names:
+            before = len(triton_steps)
+            try:
+                results[name] = _run_case(CASES[name])
+            except Exception as exc:  # report, keep the group in step for the next case
+                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name]["triton_backward_steps"] = len(triton_steps) - before
+        if world == 4:
+            import torch.distributed as dist
+
+            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+            for name, case in SUBGROUP_CASES.items():
+                try:
+                    results[name] = _run_case(case, groups[rank % 2])
+                except Exception as exc:
+                    results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+        for i, args in enumerate(LSE_LOSS_CASES):
+            if args[3] == "triton" and not ring_triton_available():
+                continue
+            try:
+                results[f"lse_loss{i}"] = _lse_loss_errors(*args)
+            except Exception as exc:
+                results[f"lse_loss{i}"] = {"exception": f"{type(exc).__name__}: {exc}"}
+    finally:
+        finish(rank, out_dir, results)
+
+
+# ------------------------------------------------------------------ parent side
+_RESULTS: dict[int, list[dict]] = {}
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    world = request.param
+    if world not in _RESULTS:
+        names = [name for name, case in CASES.items() if world in case.get("worlds", WORLDS)]
+        _RESULTS[world] = spawn(_worker, world, str(tmp_path_factory.mktemp(f"cp_ring_world{world}")),
+                                (names,), SPAWN_TIMEOUT_S)
+    return world, _RESULTS[world]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", list(CASES))
+def test_cp_ring_matches_single_process(results, name):
+    world, per_rank = results
+    case = CASES[name]
+    if world not in case.get("worlds", WORLDS):
+        pytest.skip(f"run with world sizes {case['worlds']} only")
+    for rank, errors in enumerate(per_rank):
+        where = f"rank {rank} world {world} {name}"
+        check(errors[name], case["dtype"], case["tol"], where)
+        if case["backend"] == "triton":  # the backward went through torch.ops.packattn.varlen_bwd
+            assert sum(res[name]["triton_backward_steps"] for res in per_rank) > 0, where
+        else:
+            assert errors[name]["triton_backward_steps"] == 0, where
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("index", range(len(LSE_LOSS_CASES)), ids=lambda i: "-".join(LSE_LOSS_CASES[i]))
+def test_cp_ring_lse_gradient(results, index):
+    world, per_rank = results
+    dtype = LSE_LOSS_CASES[index][4]
+    if LSE_LOSS_CASES[index][3] == "triton" and not ring_triton_available():
+        pytest.skip("triton backend unavailable here")
+    for rank, res in enumerate(per_rank):
+        errors = res[f"lse_loss{index}"]
+        assert "exception" not in errors, f"rank {rank}: {errors}"
+        for key, err in errors["cp"].items():
+            bound = TOL64 if dtype == "float64" else 2 * errors["single"][key] + 1e-5
+            assert err <= bound, f"rank {rank} world {world}: {key} error {err} > {bound}"
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", list(SUBGROUP_CASES))
+def test_cp_ring_in_subgroups(results, name):
+    world, per_rank = results
+    if world != 4:
+        pytest.skip("world 4 only")
+    for rank, res in enumerate(per_rank):
+        check(res[name], SUBGROUP_CASES[name]["dtype"], SUBGROUP_CASES[name]["tol"], f"rank {rank} {name}")
+
+
+# ------------------------------------------------------------------ no process group needed
+@pytest.mark.parametrize("options", [dict(causal=True, window=(3, 0)), dict(window=(2, 2)), dict(chunk_size=4),
+                                     dict(causal=True, chunk_size=8)])
+def test_cp_ring_windows_and_chunks_not_implemented(options):
+    seqs = Varlen.from_lengths([5, 9])
+    plan = cp.plan(seqs, world=2, rank=0, strategy="p2p")  # no process group: raising must come first
+    q = torch.randn(plan.num_local, 2, 8)
+    with pytest.raises(NotImplementedError, match="allgather"):
+        cp.attention(q, q, q, plan, **options)
+
+
+def _global_pairs(plans, causal: bool):
+    """Every (query row, key row) pair the ring's layouts compute, over all ranks and steps."""
+    layouts = [ring.build_layout(p, causal, "cpu") for p in plans]
+    pairs = []
+    for p, layout in zip(plans, layouts):
+        for step in layout.steps:
+            if step.seqs is None:
+                continue
+            if step.src < 0:
+                keys = p.local_rows[step.kv_index]
+            else:
+                keys = plans[step.src].local_rows[layouts[step.src].own_rows[step.kv_index]]
+            queries = p.local_rows[step.q_index]
+            qs, ks = step.seqs.host_starts_q, step.seqs.host_starts_kv
+            for i, (lq, lk) in enumerate(zip(step.seqs.lengths_q, step.seqs.lengths_kv)):
+                vis = masks.dense_mask(step.mask, lq, lk)
+                qi, ki = vis.nonzero().unbind(1)
+                pairs += list(zip(queries[qs[i] + qi].tolist(), keys[ks[i] + ki].tolist()))
+    return pairs
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_ring_layout_computes_every_visible_pair_once(world, balance, causal):
+    seqs = Varlen.from_lengths([1, 0, 7, 3, 29, 2, 16], pad_to_multiple=3)
+    plans = [cp.plan(seqs, world=world, rank=r, strategy="p2p", balance=balance) for r in range(world)]
+    pairs = _global_pairs(plans, causal)
+    assert len(pairs) == len(set(pairs))
+    seq, pos = seqs.row_map_q()
+    expected = set()
+    for i, (start, length) in enumerate(zip(seqs.host_starts_q, seqs.lengths_q)):
+        vis = masks.dense_mask(masks.Mask.make(causal), length, length)
+        expected |= {(start + a, start + b) for a, b in vis.nonzero().tolist()}
+    assert set(pairs) == expected
+
+
+def test_duplicate_free_passes():
+    index = torch.tensor([3, 1, 3, 2, 3, 1])
+    passes = ring._duplicate_free_passes(index)
+    assert [p.tolist() for p in passes] == [[0, 1, 3], [2, 5], [4]]
+    assert ring._duplicate_free_passes(torch.tensor([4, 0, 2])) == ()
