@@ -245,11 +245,12 @@ def varlen_fwd(
     q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
-    long_seqs: bool = False,
+    long_seqs: bool = False, gluon: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` (and ``pad_rows_kv``) are only carried for the
     backward. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
-    ``long_seqs``: the forward config of `launch_config` that ``q_tiles`` was built with."""
+    ``long_seqs``, ``gluon``: the forward kernel and config that ``q_tiles`` was built for (the Gluon
+    forward when ``gluon``, see `use_gluon_fwd`)."""
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -258,6 +259,11 @@ def varlen_fwd(
     # rows in no sequence are never written by the kernel: they must start as zeros / -inf
     out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
     lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
+    if gluon:
+        from packattn.backends.triton_fwd_gluon import gluon_fwd
+
+        return gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles, scale,
+                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs, out=out, lse=lse)
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -268,6 +274,17 @@ def varlen_fwd(
                       **_mask_constexprs(window_left, window_right, chunk_size, top_left))
     _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
     return out, lse
+
+
+def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`) runs instead of the Triton one
+    where it can (sm_90, fp16/bf16, head dim 64/128): measured 1.00-1.13x faster on W1/W2/W4/W8 on
+    an H200 (benchmarks/NOTES.md, v8). ``PACKATTN_TRITON_FWD=triton`` keeps the Triton forward."""
+    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_FWD") == "triton":
+        return False
+    from packattn.backends.triton_fwd_gluon import gluon_fwd_supported
+
+    return gluon_fwd_supported(q, k, v)
 
 
 def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
@@ -365,7 +382,7 @@ def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
     out, lse = output
-    options, pad_rows = options[:7], (list(options[7:9]) + [None, None])[:2]
+    options, pad_rows = options[:7], (list(options[7:9]) + [None, None])[:2]  # the rest: forward-only
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, *pad_rows)
     ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
@@ -377,7 +394,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
                             dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
-    return (dq, dk, dv) + (None,) * 17
+    return (dq, dk, dv) + (None,) * 18
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -416,7 +433,13 @@ class TritonVarlenBackend(TritonBackend):
             q, scale = -q, -scale
         head_dim = q.shape[-1]
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
-        fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
+        gluon = use_gluon_fwd(q, k, v)
+        if gluon:
+            from packattn.backends.triton_fwd_gluon import config_for
+
+            fwd = config_for(head_dim, long_seqs)
+        else:
+            fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
@@ -431,6 +454,6 @@ class TritonVarlenBackend(TritonBackend):
             scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
             seqs.padding_rows("q") if seqs.cu_seqlens_q_padded is not None else None,
-            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None, long_seqs,
+            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None, long_seqs, gluon,
         )
         return out, (lse if problem.return_lse else None)

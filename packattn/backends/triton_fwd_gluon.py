@@ -1,0 +1,249 @@
+"""Launcher of the Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`).
+
+`gluon_fwd` does what the body of ``packattn::varlen_fwd`` (`packattn.backends.triton_varlen`)
+does for the Triton forward -- allocate ``out`` / ``lse`` (zeros / -inf where rows belong to no
+sequence), launch one program per (query tile, query head) -- with TMA descriptors instead of
+raw pointers for q, k and v. The query tile table must be built with this kernel's block sizes::
+
+    cfg = gluon_config(head_dim)                       # BLOCK_M 128, BLOCK_N 128 (d = 64 / 128)
+    q_tiles = tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)
+
+`gluon_fwd_supported` says whether the kernel can run these tensors (CUDA, compute capability
+9.x, float16 / bfloat16, head dim 64 or 128, TMA-compatible strides).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    block_m: int  # queries per tile: one warp group per 64 rows, so block_m == 16 * num_warps
+    block_n: int  # keys per block
+    stages: int  # K/V ring slots (>= 2; block j+stages is loaded once block j is done)
+    num_warps: int = 8  # consumer warps (block_m // 16); the warp-specialised kernel adds a producer warp
+    # warp-specialised kernel (`varlen_fwd_gluon_ws_kernel`): a 1-warp TMA producer partition and one
+    # partition per consumer warp group, synchronised by ready / empty mbarriers (no CTA barrier in the loop)
+    warp_specialize: bool = False
+    # (warp_specialize only) a grid of (ctas per SM) x (SMs) programs looping over the work items
+    persistent: bool = False
+    # (warp_specialize only) store out from the accumulator registers instead of staging it in Q's
+    # shared buffer, so the next tile's Q load overlaps this tile's last PV and epilogue
+    direct_store: bool = False
+
+    def __post_init__(self):
+        if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
+            raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
+        if self.stages < 2:
+            raise ValueError(f"{self}: stages must be >= 2")
+        if (self.persistent or self.direct_store) and not self.warp_specialize:
+            raise ValueError(f"{self}: persistent / direct_store need warp_specialize")
+
+    def label(self) -> str:
+        """The `ENV_CONFIG` string of this configuration (`parse_config` reads it back)."""
+        flags = [name for name, on in (("ws", self.warp_specialize), ("persistent", self.persistent),
+                                       ("direct", self.direct_store)) if on]
+        return ",".join([str(self.block_m), str(self.block_n), str(self.stages), str(self.num_warps)] + flags)
+
+
+_FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct_store"}
+
+
+def parse_config(text: str) -> GluonConfig:
+    """``"block_m,block_n,stages,num_warps[,flag...]"`` with flags ``ws`` (warp_specialize),
+    ``persistent`` and ``direct`` (direct_store), e.g. ``"128,128,3,8"``, ``"128,128,3,8,ws"``,
+    ``"128,128,3,8,ws,persistent,direct"``; the format of ``$PACKATTN_GLUON_FWD_CONFIG``."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if len(parts) < 4:
+        raise ValueError(f"{ENV_CONFIG}={text!r}: expected block_m,block_n,stages,num_warps[,ws][,persistent][,direct]")
+    flags = {}
+    for flag in parts[4:]:
+        if flag not in _FLAGS:
+            raise ValueError(f"{ENV_CONFIG}={text!r}: unknown flag {flag!r} (known: {', '.join(_FLAGS)})")
+        flags[_FLAGS[flag]] = True
+    return GluonConfig(*(int(x) for x in parts[:4]), **flags)
+
+
+# Shared memory at d = 128, BLOCK_N 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227
+# (one CTA per SM; 221-231 registers per thread, no spills). d = 64 has room for a fourth slot. Not timed yet:
+# benchmarks/ab_gluon_fwd.py compares these with the alternatives in ALTERNATIVES.
+CONFIGS = {64: GluonConfig(128, 128, 4), 128: GluonConfig(128, 128, 3)}
+# Other configurations that compile cleanly for sm_90a without spills (scripts/check_gluon_compile.py
+# --config ...), for A/B runs: at d = 128, (128, 64, 4 stages) needs 160 KB / ~165-180 registers;
+# (64, 64, 3 stages, 4 warps) needs 112 KB / ~160 registers, so two CTAs share an SM and one CTA's
+# prologue / epilogue hides behind the other's main loop (at the price of reading K/V twice as often).
+ALTERNATIVES = [
+    GluonConfig(128, 64, 4), GluonConfig(64, 64, 3, 4),
+    # warp-specialised (producer warp + one partition per consumer warp group), not timed yet
+    GluonConfig(128, 128, 3, 8, warp_specialize=True),
+    GluonConfig(128, 128, 3, 8, warp_specialize=True, direct_store=True),
+    GluonConfig(128, 128, 3, 8, warp_specialize=True, persistent=True, direct_store=True),
+    GluonConfig(128, 128, 3, 8, warp_specialize=True, persistent=True),
+    GluonConfig(64, 64, 3, 4, warp_specialize=True),
+    GluonConfig(64, 64, 3, 4, warp_specialize=True, persistent=True, direct_store=True),
+]
+# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct]" overrides CONFIGS (A/B runs); see parse_config
+ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
+
+
+# Long sequences (some sequence with >= triton_varlen.LONG_SEQLEN queries): two CTAs per SM measured
+# best on W4 (one 32k document, chunks of 8192): 2.492 ms vs 2.619 for CONFIGS (results/2026-11-22/
+# ab_gluon_fwd_h200.txt); on W1/W8 (shorter documents) CONFIGS is best.
+LONG_CONFIGS = {64: GluonConfig(64, 64, 3, 4), 128: GluonConfig(64, 64, 3, 4)}
+
+
+def config_for(head_dim: int, long_seqs: bool = False) -> GluonConfig:
+    """Block sizes, pipeline depth and warps for ``head_dim``; the tile table must use block_m/block_n.
+    ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
+    overrides the table, for A/B runs."""
+    override = os.environ.get(ENV_CONFIG)
+    if override:
+        return parse_config(override)
+    return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
+
+
+gluon_config = config_for
+
+
+def smem_layout(block: list[int], dtype: torch.dtype):
+    """NVMMA shared layout of a TMA block (widest swizzle the row length allows)."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_compatible(x: torch.Tensor) -> bool:
+    """``(rows, heads, d)`` viewable as a 2-D ``(rows, heads * d)`` TMA tensor: heads and d packed,
+    16-byte aligned base and row stride."""
+    _, heads, d = x.shape
+    return (x.stride(2) == 1 and (x.stride(1) == d or heads == 1) and x.stride(0) * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0 and x.stride(0) >= heads * d)
+
+
+def gluon_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+    """Can `gluon_fwd` run these inputs without copies? CUDA on a compute capability 9.x device,
+    float16 / bfloat16, head dim 64 or 128 (q, k, v alike), heads_q a multiple of heads_kv, and
+    each tensor viewable as a TMA 2-D ``(rows, heads * d)`` tensor (heads and d packed, 16-byte
+    aligned base and row stride). `gluon_fwd` itself copies a tensor that fails only the last test."""
+    tensors = [t for t in (q, k, v) if t is not None]
+    if not all(t.is_cuda for t in tensors) or q.dim() != 3 or k.dim() != 3:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _capability(index)[0] != 9:
+        return False
+    if q.dtype not in DTYPES or any(t.dtype != q.dtype for t in tensors):
+        return False
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or any(t.shape[-1] != d for t in tensors):
+        return False
+    if q.shape[1] % k.shape[1] != 0:
+        return False
+    return all(_tma_compatible(t) for t in tensors)
+
+
+def _as_tma_tensor(x: torch.Tensor) -> torch.Tensor:
+    return x if _tma_compatible(x) else x.contiguous()
+
+
+def _descriptor(x: torch.Tensor, block_rows: int):
+    """TMA descriptor over the 2-D ``(rows, heads * d)`` view of ``x``, blocks ``[block_rows, d]``.
+    Rows past the tensor read as zeros; rows of other sequences are masked in the kernel."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, heads, d = x.shape
+    block = [block_rows, d]
+    return TensorDescriptor(x, [rows, heads * d], [x.stride(0), 1], block, smem_layout(block, x.dtype))
+
+
+SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (each CTA also takes 1 KB of it)
+SM_REGISTERS = 65536
+PRODUCER_REGS = 24  # the TMA warp only holds scalars (24 is the least setmaxnreg allows)
+
+
+def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2) -> int:
+    """Shared memory of one CTA: Q, the K/V ring and the mbarriers."""
+    return (cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
+
+
+def ws_resources(cfg: GluonConfig, head_dim: int) -> dict:
+    """Occupancy and register split of the warp-specialised kernel: ``ctas_per_sm`` (from shared
+    memory), ``maxnreg`` (the kernel's launch bound: the SM's registers over all warps of the
+    resident CTAs, the producer warp padded to a warp group), ``consumer_regs`` (what setmaxnreg
+    gives each consumer warp group: the rest after the producer's ``PRODUCER_REGS``)."""
+    ctas = max(1, SM_SHARED // (shared_bytes(cfg, head_dim) + 1024))
+    warps = 4 * ((cfg.num_warps + 1 + 3) // 4)
+    maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
+    consumers = cfg.num_warps // 4
+    consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * (warps // 4 - consumers)) // (4 * consumers)) // 8 * 8
+    return {"ctas_per_sm": ctas, "warps": warps, "maxnreg": maxnreg, "consumer_regs": consumer_regs,
+            "producer_regs": PRODUCER_REGS}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+              row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor, q_tiles: torch.Tensor,
+              scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
+              padded_q: bool, long_seqs: bool = False, config: GluonConfig | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the forward, as ``packattn::varlen_fwd``; ``q_tiles`` built with
+    ``config_for(head_dim).block_m / .block_n`` (or ``config``'s, when given: it replaces
+    `config_for`); ``scale >= 0`` (the backend flips q otherwise)."""
+    from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel, varlen_fwd_gluon_ws_kernel
+
+    q, k, v = (_as_tma_tensor(x) for x in (q, k, v))
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    # rows in no sequence are never written by the kernel: they must start as zeros / -inf
+    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
+    lse = torch.full((heads_q, total_q), float("-inf"), device=q.device, dtype=torch.float32) if padded_q \
+        else torch.empty((heads_q, total_q), device=q.device, dtype=torch.float32)
+    num_work = q_tiles.shape[0] * heads_q
+    if num_work == 0 or total_q == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no keys anywhere: every row sees nothing (and a TMA tensor needs rows)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    cfg = config or config_for(head_dim, long_seqs)
+    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, q_tiles,
+            cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+            out.stride(0), out.stride(1), lse.stride(0),
+            heads_q, heads_q // heads_kv, scale * LOG2E, window_left, window_right, chunk_size)
+    masks = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
+    if not cfg.warp_specialize:
+        varlen_fwd_gluon_kernel[(num_work,)](
+            *args, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+            num_warps=cfg.num_warps,
+        )
+        return out, lse
+    res = ws_resources(cfg, head_dim)
+    grid = num_work
+    if cfg.persistent:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        grid = min(num_work, res["ctas_per_sm"] * _num_sms(index))
+    varlen_fwd_gluon_ws_kernel[(grid,)](
+        *args, num_work, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+        DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        num_warps=4, maxnreg=res["maxnreg"],
+    )
+    return out, lse
