@@ -256,14 +256,14 @@ def varlen_fwd(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
-    # rows in no sequence are never written by the kernel: they must start as zeros / -inf
-    out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
-    lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
-    if gluon:
+    if gluon:  # TODO: pass preallocated out/lse (padding rows filled only) once gluon_fwd takes them
         from packattn.backends.triton_fwd_gluon import gluon_fwd
 
         return gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles, scale,
-                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs, out=out, lse=lse)
+                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs)
+    # rows in no sequence are never written by the kernel: they must start as zeros / -inf
+    out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
+    lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
