@@ -46,6 +46,8 @@ class LocalLayout:
     kv_index: torch.Tensor  # (rows of the local kv buffer,) local row, or num_local + row of the gathered layout
     send_index: torch.Tensor  # local rows of documents shared with other ranks (what this rank contributes)
     max_shared: int  # rows per rank in the gathered layout (0: nothing to communicate)
+    q_identity: bool  # the q buffer is the local q itself (no dummy rows, no padding rows): no copies
+    kv_identity: bool  # the kv buffer is the local k/v itself (nothing gathered, no duplicates): no copies
     out_index: torch.Tensor  # (num_local,) row of the q buffer, or its length for a zero row (padding)
 
 
@@ -114,8 +116,11 @@ def build_layout(plan: CPPlan, mask: Mask, device) -> LocalLayout:
     out_index[q_index[real]] = torch.arange(q_index.numel())[real]
 
     seqs = Varlen.from_lengths((e - a).tolist(), (kh - kl).tolist(), device=device)
+    identity = torch.arange(n_local)
+    q_identity = torch.equal(q_index, identity)
+    kv_identity = max_shared == 0 and torch.equal(kv_index, identity)
     return LocalLayout(seqs, q_index.to(device), kv_index.to(device), send_index.to(device), max_shared,
-                       out_index.to(device))
+                       q_identity, kv_identity, out_index.to(device))
 
 
 def attention(
@@ -137,18 +142,21 @@ def attention(
     layout = plan.cached(("allgather", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
 
     n, hk, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
-    kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)  # one collective for both
-    if layout.max_shared:
-        shared = gather_rows(kv.index_select(0, layout.send_index), layout.max_shared, plan.world, plan.group)
-        kv = torch.cat([kv, shared])
-    kv_buf = kv.index_select(0, layout.kv_index)
-    k_buf = kv_buf[:, : hk * d].reshape(-1, hk, d)
-    v_buf = kv_buf[:, hk * d:].reshape(-1, hk, dv)
-    q_buf = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
+    if layout.kv_identity:  # every key this rank needs is its own, in order (e.g. whole documents)
+        k_buf, v_buf = k, v
+    else:
+        kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)  # one collective for both
+        if layout.max_shared:
+            shared = gather_rows(kv.index_select(0, layout.send_index), layout.max_shared, plan.world, plan.group)
+            kv = torch.cat([kv, shared])
+        kv_buf = kv.index_select(0, layout.kv_index)
+        k_buf = kv_buf[:, : hk * d].reshape(-1, hk, d)
+        v_buf = kv_buf[:, hk * d:].reshape(-1, hk, dv)
+    q_buf = q if layout.q_identity else torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
 
     hq = q.shape[1]
     if layout.seqs.num_seqs == 0:  # nothing local; stay attached to the graph so backward runs
-        tie = q_buf.flatten()[:0].sum() + kv_buf.flatten()[:0].sum()
+        tie = q_buf.flatten()[:0].sum() + k_buf.flatten()[:0].sum() + v_buf.flatten()[:0].sum()
         out_buf = q.new_zeros(0, hq, dv) + tie
         lse_buf = torch.zeros(hq, 0, dtype=torch.float32, device=q.device)
     else:
@@ -156,6 +164,8 @@ def attention(
                                  chunk_size=mask.chunk_size, scale=scale, backend=backend,
                                  return_lse=return_lse, deterministic=deterministic)
         out_buf, lse_buf = res if return_lse else (res, None)
+    if layout.q_identity:
+        return (out_buf, lse_buf) if return_lse else out_buf
     out = torch.cat([out_buf, out_buf.new_zeros(1, hq, dv)]).index_select(0, layout.out_index)
     if not return_lse:
         return out

@@ -96,6 +96,7 @@ class RingLayout:
     send_index: torch.Tensor  # (message_rows,) local row of each message row, num_local for padding
     own_rows: torch.Tensor  # (rows this rank sends,) local rows of the first rows of its message
     message_rows: int  # rows of every message (0: nothing to exchange, no communication at all)
+    local_only: bool = False  # one step, over exactly the local rows in order: plain local attention
 
 
 # ------------------------------------------------------------------ host-side layout
@@ -198,7 +199,11 @@ def build_layout(plan: CPPlan, causal: bool, device) -> RingLayout:
         kv_start = message_offset[src][g_lo] if g_lo.numel() else g_lo
         kv_len = (message_offset[src] + message_len[src])[g_hi - 1] - kv_start if g_lo.numel() else g_lo
         steps.append(_step(src, Mask(), q_start, q_len, kv_start, kv_len, device))
-    return RingLayout(steps, send_index.to(device), own_rows.to(device), message_rows)
+    step0 = steps[0]
+    identity = torch.arange(plan.num_local, device=device)
+    local_only = (len(steps) == 1 and step0.seqs is not None and torch.equal(step0.q_index, identity)
+                  and torch.equal(step0.kv_index, identity))
+    return RingLayout(steps, send_index.to(device), own_rows.to(device), message_rows, local_only)
 
 
 # ------------------------------------------------------------------ communication
@@ -419,5 +424,9 @@ def attention(
                                   f"{mask.describe()}; use strategy='allgather' for windows and chunks")
     layout = plan.cached(("p2p", mask.causal, str(q.device)), lambda: build_layout(plan, mask.causal, q.device))
     opts = dict(scale=scale, backend=backend, deterministic=deterministic)
+    if layout.local_only:  # nothing travels and nothing to merge (e.g. whole documents): one local call
+        res = packattn.attention(q, k, v, layout.steps[0].seqs, causal=layout.steps[0].mask.causal,
+                                 return_lse=return_lse, **opts)
+        return (res[0], res[1].float()) if return_lse else res  # lse float32 on every rank, as the ring's
     out, lse = _Ring.apply(q, k, v, plan, layout, opts)
     return (out, lse) if return_lse else out
