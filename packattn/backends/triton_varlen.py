@@ -287,6 +287,20 @@ def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return gluon_fwd_supported(q, k, v)
 
 
+def use_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: LaunchConfig) -> bool:
+    """The Gluon Hopper dQ pass (`packattn.kernels.varlen_bwd_gluon`) runs instead of the Triton one
+    where it can and its blocks are the Triton dQ config's (so the dQ tile table fits both): measured
+    1.01-1.19x the Triton dQ pass on W1/W2/W4/W8 (H200). ``PACKATTN_TRITON_BWD=triton`` keeps Triton."""
+    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_BWD") == "triton":
+        return False
+    from packattn.backends.triton_bwd_gluon import dq_config, gluon_bwd_eligible
+
+    if not gluon_bwd_eligible(q, k, v):
+        return False
+    cfg = dq_config(q.shape[-1])
+    return (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n)
+
+
 def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
                 dim: int = 0) -> torch.Tensor:
     """An output the kernels write except on rows in no sequence: those hold ``fill``. With the
@@ -332,6 +346,11 @@ def varlen_bwd(
     launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
 
     config = launch_config("dq", head_dim, q.dtype, q.device)
+    if use_gluon_dq(q, k, v, config):
+        from packattn.backends.triton_bwd_gluon import gluon_launch_dq
+
+        gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left)
+        return dq, dk, dv
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
             dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args)
     _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,

@@ -1,0 +1,206 @@
+"""Launchers of the Gluon Hopper backward (`packattn.kernels.varlen_bwd_gluon`).
+
+`gluon_launch_dkdv` / `gluon_launch_dq` take what the Triton launch paths of
+`packattn.backends.triton_varlen.varlen_bwd` take (`launch_dkdv` and the dq launch below it):
+q, k, v, dout, lse, delta (from `triton_varlen.bwd_delta`), the preallocated outputs, the tile
+table, ``seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)``, ``scale`` and
+``mask_args = (window_left, window_right, chunk_size)``, plus ``top_left`` (the Triton path passes it
+inside its ``common`` constexpr dict). `gluon_varlen_bwd` is a drop-in body for
+``packattn::varlen_bwd`` (same arguments, same ``(dq, dk, dv)``).
+
+The tile tables must be built with this kernel's block sizes (not `launch_config`'s)::
+
+    dkdv, dq = dkdv_config(head_dim), dq_config(head_dim)
+    dkdv_tiles = tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)   # key tiles, query blocks
+    dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)        # query tiles, key blocks
+
+`gluon_bwd_supported(q, k, v, dout)` says whether the kernels can run these tensors (CUDA,
+compute capability 9.x, float16 / bfloat16, head dim 64 or 128, GQA); tensors that are not
+viewable as TMA ``(rows, heads * d)`` matrices are copied by the launchers. `gluon_bwd_eligible`
+is the same test without strides, for deciding at forward time which tables to build.
+
+Switching it on in `packattn.backends.triton_varlen` (not done here; opt-in until timed)::
+
+    # module level
+    from packattn.backends import triton_bwd_gluon as tbg
+
+    def use_gluon_bwd(q, k, v) -> bool:   # the SAME answer at forward and backward time
+        return os.environ.get("PACKATTN_TRITON_BWD") == "gluon" and tbg.gluon_bwd_eligible(q, k, v)
+
+    # TritonVarlenBackend.run, in the grad branch, instead of the two launch_config tables
+    # (after the scale flip: gluon_bwd_eligible looks at dtype / device / shapes only):
+    if use_gluon_bwd(q, k, v):
+        dq, dkdv = tbg.dq_config(head_dim), tbg.dkdv_config(head_dim)
+    else:
+        dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
+    dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)        # unchanged lines
+    dkdv_tiles = tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
+
+    # varlen_bwd, first statement of the body (before _last_dim_contiguous):
+    if use_gluon_bwd(q, k, v):
+        return tbg.gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                                    row_offsets_kv, dq_tiles, dkdv_tiles, scale, window_left, window_right,
+                                    chunk_size, top_left, padded_q, padded_kv, pad_rows_q, pad_rows_kv)
+
+Both sides must agree, because the tile tables travel from the forward to the backward inside the
+custom op; `gluon_bwd_eligible` depends on nothing the backward could change (dtype, device,
+head dim, head counts), and reading the env var in both places is consistent within a process.
+The tree backward (`triton_tree`, ``launch_dkdv(..., tree=True)``) is not covered: keep it on Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _as_tma_tensor, _capability, _descriptor,
+                                                gluon_fwd_supported)
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    block_m: int  # queries per block (dK/dV: per ring step; dQ: per tile, == 16 * num_warps)
+    block_n: int  # keys per block (dK/dV: per tile, == 16 * num_warps; dQ: per ring step)
+    stages: int  # ring slots; >= 3 for any prefetch (the slot of step j-1 is refilled at the end of step j)
+    num_warps: int = 8
+
+
+# Checked for sm_90a without a GPU (scripts/check_gluon_bwd_compile.py: shared memory, no spills, no
+# ptxas warnings, overlap in the TTGIR / PTX, every mask, bf16 / fp16) and timed on an H200
+# (results/2026-11-22/ab_gluon_bwd_h200.txt): dQ (128, 64, 4 stages) 1.03/1.04/1.01/1.19x the Triton dQ pass
+# on W1/W2/W4/W8 (the default of the triton backend); dK/dV 0.65-0.99x the Triton pass (opt-in only).
+# dK/dV at d = 128 holds dK + dV in 128 float32 registers per thread whatever the tile (a warp group
+# per 64 keys); with 64-query blocks the pipelined step needs ~260 and spills ~300 B (as the Triton
+# kernel at 64 x 128), so d = 128 streams 32-query blocks (~115 KB shared, 4 stages).
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(32, 128, 4)}
+DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
+# Spill-free alternatives for A/B runs. (.., 64, .., 4 warps) dK/dV tiles: one warp group, <= 98 KB of
+# shared memory and <= 256 registers, so two CTAs share an SM and drift out of phase (one's
+# elementwise work hides the other's wgmma) -- the Triton dK/dV kernel's best shape (32 x 64, 4 warps).
+DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)], 128: [GluonBwdConfig(32, 64, 4, 4)]}
+DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)],
+                   128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]}
+ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps" overrides DKDV_CONFIGS (A/B runs)
+ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # same for DQ_CONFIGS
+
+
+def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
+    override = os.environ.get(env)
+    if override:
+        return GluonBwdConfig(*(int(x) for x in override.split(",")))
+    return table[head_dim]
+
+
+def dkdv_config(head_dim: int) -> GluonBwdConfig:
+    """Blocks of the dK/dV kernel (``$PACKATTN_GLUON_DKDV_CONFIG`` overrides); its tile table is
+    ``tile_table(seqs, mask, True, cfg.block_n, cfg.block_m)``."""
+    return _config(ENV_DKDV, DKDV_CONFIGS, head_dim)
+
+
+def dq_config(head_dim: int) -> GluonBwdConfig:
+    """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides); its tile table is
+    ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
+    return _config(ENV_DQ, DQ_CONFIGS, head_dim)
+
+
+def gluon_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Device, dtype, head dim and GQA test of `gluon_bwd_supported`, without strides (the launchers
+    copy what TMA cannot read): stable between the forward (which builds the tile tables) and the
+    backward (which launches), so both sides can call it and agree."""
+    if not all(t.is_cuda for t in (q, k, v)) or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _capability(index)[0] != 9:
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    d = q.shape[-1]
+    return d in HEAD_DIMS and k.shape[-1] == d and v.shape[-1] == d and q.shape[1] % k.shape[1] == 0
+
+
+def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
+    """Can the Gluon backward run these inputs without copies? `gluon_bwd_eligible`, dout shaped
+    and typed like q, and every tensor viewable as a TMA ``(rows, heads * d)`` matrix."""
+    return (gluon_bwd_eligible(q, k, v) and dout.is_cuda and dout.dtype == q.dtype and dout.shape == q.shape
+            and gluon_fwd_supported(q, k, v) and gluon_fwd_supported(dout, k))
+
+
+def _mask_constexprs(mask_args, top_left: bool) -> dict:
+    window_left, window_right, chunk_size = mask_args
+    return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
+
+
+def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
+                      top_left: bool) -> None:
+    """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`), one program per (key tile, kv head). ``tiles``
+    built with ``dkdv_config(d).block_n`` keys per tile and ``.block_m`` as the query step; ``lse`` /
+    ``delta`` float32 ``(heads_q, rows)`` with row stride 1; ``dk`` / ``dv`` written on the rows of
+    sequences only (the caller fills padding rows)."""
+    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
+
+    heads_kv = k.shape[1]
+    grid = (tiles.shape[0] * heads_kv,)
+    if grid[0] == 0 or k.shape[0] == 0:
+        return
+    if q.shape[0] == 0:  # no queries anywhere: no key gets a gradient (and a TMA tensor needs rows)
+        dk.zero_()
+        dv.zero_()
+        return
+    q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
+    lse, delta = lse.contiguous(), delta.contiguous()
+    cfg = dkdv_config(q.shape[-1])
+    varlen_bwd_dkdv_gluon_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+        heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        num_warps=cfg.num_warps, **_mask_constexprs(mask_args, top_left),
+    )
+
+
+def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool) -> None:
+    """dQ pass (`varlen_bwd_dq_gluon_kernel`), one program per (query tile, query head). ``tiles``
+    built with ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq``
+    written on the rows of sequences only."""
+    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
+
+    heads_q = q.shape[1]
+    grid = (tiles.shape[0] * heads_q,)
+    if grid[0] == 0 or q.shape[0] == 0:
+        return
+    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
+        dq.zero_()
+        return
+    q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
+    lse, delta = lse.contiguous(), delta.contiguous()
+    cfg = dq_config(q.shape[-1])
+    varlen_bwd_dq_gluon_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, *seq_args,
+        dq.stride(0), dq.stride(1), lse.stride(0),
+        heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        num_warps=cfg.num_warps, **_mask_constexprs(mask_args, top_left),
+    )
+
+
+def gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                     dq_tiles, dkdv_tiles, scale: float, window_left: int, window_right: int, chunk_size: int,
+                     top_left: bool, padded_q: bool, padded_kv: bool, pad_rows_q=None, pad_rows_kv=None):
+    """``(dq, dk, dv)`` exactly as ``packattn::varlen_bwd`` computes them (same arguments), with the
+    Gluon kernels; the tile tables must come from `dkdv_config` / `dq_config` (module docstring)."""
+    from packattn.backends.triton_varlen import _new_output, bwd_delta
+
+    lse = lse.contiguous()
+    delta = bwd_delta(out, dout, lse, dlse)
+    dq = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)
+    dk = _new_output(k.shape, k.dtype, k.device, padded_kv, pad_rows_kv)
+    dv = _new_output(v.shape, v.dtype, v.device, padded_kv, pad_rows_kv)
+    seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
+    mask_args = (window_left, window_right, chunk_size)
+    gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args, top_left)
+    gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left)
+    return dq, dk, dv

@@ -1,0 +1,483 @@
+"""Backward flash attention over packed (THD) sequences for Hopper (sm_90a), written in Gluon.
+
+Same contract as `packattn.kernels.varlen_bwd` (`bwd_dkdv_kernel`, `bwd_dq_kernel`): tile-table rows
+``[seq, start, lo, mid_lo, mid_hi, hi]``, ``cu_seqlens`` / ``row_offsets`` meaning, masks, GQA,
+``lse`` float32 natural log with ``-inf`` for rows that see no key (P = 0 there), ``delta`` from
+`triton_varlen.bwd_delta`, outputs in the input dtype, only rows inside a sequence written, no
+atomics (every output element is summed by one program in a fixed order: deterministic). With
+``P = exp2(S * scale * log2e - lse * log2e)``: ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
+``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+
+Triton 3.6 waits for every wgmma right after issuing it; here the waits are placed by hand so the
+tensor cores work while the warp group computes exponentials and dS (FlashAttention-3's
+intra-warpgroup overlap), with the idioms of `packattn.kernels.varlen_fwd_gluon`: accumulators in
+``NVMMADistributedLayout`` v3 with ``warps_per_cta = [num_warps, 1]`` (a warp group per 64 rows),
+operands in NVMMA-swizzled shared memory filled by TMA through 2-D descriptors over the
+``(rows, heads * head_dim)`` views, one mbarrier per ring slot, register A operands for the
+second-level products, and no wgmma in flight across a loop's back edge (ptxas serialises every
+wgmma of the kernel otherwise, warning C7514).
+
+dK/dV (`varlen_bwd_dkdv_gluon_kernel`): one program per (key tile of ``BLOCK_N = 16 * num_warps``
+keys, kv head). K and V are loaded once; (Q, dO) blocks of ``BLOCK_M`` queries stream through a
+``STAGES``-slot TMA ring, over the GQA group's query heads in order and, per head, over the query
+blocks ``[lo, hi)`` of the tile. Iteration ``j`` enters with dS^T[j-1] (the A operand of the
+previous block's dK product, in registers) and no wgmma in flight::
+
+    issue  S^T[j]  = K Q[j]^T                  (async)
+    issue  dP^T[j] = V dO[j]^T                 (async)
+    issue  dK     += dS^T[j-1] Q[j-1]          (async; three groups in flight)
+    wait   until 2 pending                     (S^T[j] done)
+    P^T[j] = exp2(S^T c - lse log2e), masked   (overlaps dP^T[j] and dK[j-1] on the tensor cores)
+    issue  dV     += P^T[j] dO[j]              (async)
+    wait   until 1 pending                     (dP^T[j], dK[j-1] done; dV[j] runs)
+    dS^T[j] = P^T[j] (dP^T[j] - delta)         (overlaps dV[j])
+    wait   until 0 pending
+    CTA barrier; TMA block j-1+STAGES into block j-1's slot (its Q was last read by dK[j-1])
+
+Only S^T[j] finds the warp group idle; dP^T, dK and dV run under the elementwise work. The last
+block's dK product is issued after the loop. ``STAGES >= 3`` keeps one block of prefetch (the
+slot of block ``j-1`` is refilled at the end of iteration ``j``).
+
+dQ (`varlen_bwd_dq_gluon_kernel`): one program per (query tile of ``BLOCK_M = 16 * num_warps``
+queries, query head); Q and dO loaded once, (K, V) blocks through the ring, the same schedule
+with the roles swapped: issue S[j] = Q K[j]^T, dP[j] = dO V[j]^T, dQ += dS[j-1] K[j-1]; wait for
+S[j]; P[j] (overlaps dP[j], dQ[j-1]); wait for dP[j]; dS[j] (overlaps dQ[j-1]); wait for all.
+
+Rows past a sequence's end are read by TMA as they are (the next sequence's rows, padding that
+may hold NaN, or zeros past the tensor). Rows of the *reduction* side are zeroed in shared memory
+in the (at most one per head) block that crosses the sequence end, before any wgmma reads them:
+Q and dO rows past ``len_q`` in the dK/dV kernel, K and V rows past ``len_kv`` in the dQ kernel
+(0 * NaN inside a product would otherwise poison valid rows). Rows of the program's own side
+(keys of a dK/dV tile, queries of a dQ tile) past the end only produce output rows that are never
+stored, so they are left alone.
+
+Registers (the limit of this design): dK + dV of a dK/dV tile hold ``head_dim`` float32 registers per
+thread whatever the tile, so at d = 128 the pipelined step fits 255 registers without spills only
+with 32-query blocks (64-query blocks spill ~300 B, as the Triton kernel does). To stay there, the
+per-query vectors of the transposed tiles (lse, delta) are loaded from one scalar base with 32-bit
+offsets, delta only once P^T is done, and the element mask is computed per key
+(`_aligned_range_of_keys`, the dual of the forward's per-query `_key_range`).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from packattn.kernels.varlen_fwd_gluon import (_load_kv_block, _to_operand, _visible, _zero_v_tail,
+                                               mma_layout, row_store_layout)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+# ---------------------------------------------------------------- shared pieces
+@gluon.jit
+def _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr):
+    """The dual of `varlen_fwd_gluon._key_range`: key ``k`` (``0 <= k < len_kv``) is visible to the
+    queries aligned at ``a`` in ``[a_lo(k), a_hi(k))``, because ``k < a + right + 1 <=> a >= k - right``,
+    ``k >= a - left <=> a < k + left + 1`` and, for a chunk ``c``, ``S(a) <= k < S(a) + c <=> a in
+    [floor(k / c) * c, floor(k / c) * c + c)`` (``k >= 0``, so ``a < 0`` never qualifies, as there).
+    Per key, not per query: a handful of registers per thread in the transposed tiles, where the
+    per-query form costs two full vectors and a division per query."""
+    a_lo = offs_k * 0 - (1 << 30)
+    a_hi = offs_k * 0 + (1 << 30)
+    if HAS_RIGHT:
+        a_lo = gl.maximum(a_lo, offs_k - window_right)
+    if HAS_LEFT:
+        a_hi = gl.minimum(a_hi, offs_k + window_left + 1)
+    if HAS_CHUNK:
+        chunk_start = (gl.maximum(offs_k, 0) // chunk_size) * chunk_size
+        a_lo = gl.maximum(a_lo, chunk_start)
+        a_hi = gl.minimum(a_hi, chunk_start + chunk_size)
+    a_hi = gl.where(offs_k < len_kv, a_hi, a_lo)  # keys past the sequence see no query
+    return a_lo, a_hi
+
+
+@gluon.jit
+def _visible_t(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """`varlen_fwd_gluon._visible` transposed, ``(len(offs_k), len(offs_q))``, for tiles that hold keys
+    as rows: the same visibility (see `_aligned_range_of_keys`), computed per key."""
+    if TOP_LEFT:
+        aligned = offs_q
+    else:
+        aligned = offs_q + (len_kv - len_q)
+    a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size,
+                                        HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+    ok = (aligned[None, :] >= a_lo[:, None]) & (aligned[None, :] < a_hi[:, None])
+    return ok & (offs_q < len_q)[None, :]
+
+
+@gluon.jit
+def _row_vector(X, head, stride_head, row0_q, first, len_q, BLOCK: gl.constexpr, layout: gl.constexpr,
+                other: gl.constexpr):
+    """``X[head, row0_q + first + i]`` for ``i < BLOCK`` (float32 ``(heads_q, rows)``: lse or delta) in
+    ``layout``, ``other`` past ``len_q``. One 64-bit scalar base plus 32-bit offsets: a vector of
+    64-bit pointers would cost twice the registers, and these vectors are live at the register peak."""
+    base = X + (head.to(gl.int64) * stride_head + row0_q.to(gl.int64) + first)
+    offs = gl.arange(0, BLOCK, layout=layout)
+    return gl.load(base + offs, mask=offs < len_q - first, other=other)
+
+
+@gluon.jit
+def _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """``lse * log2e`` of `_row_vector`; a row that sees no key (lse = -inf) and a row past ``len_q``
+    get ``+inf``, so that P = exp2(. - inf) = 0 there, as in `varlen_bwd`."""
+    lse = _row_vector(Lse, head, stride_lse_head, row0_q, first, len_q, BLOCK, layout, float("inf"))
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.jit
+def _store_tile(acc, stage, base, first_row, end_row, stride_row, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Store rows ``first_row + i < end_row`` of ``acc`` (cast to the input dtype) to
+    ``base[row * stride_row + d]``, through the shared buffer ``stage`` (an operand buffer nobody
+    reads any more) so each thread writes 16 contiguous bytes."""
+    gl.thread_barrier()  # every warp group is done with ``stage``
+    stage.store(acc.to(stage.dtype))
+    gl.thread_barrier()
+    layout: gl.constexpr = row_store_layout(num_warps, HEAD_DIM)
+    vals = stage.load(layout)
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows.to(gl.int64)[:, None] * stride_row + cols[None, :]
+    gl.store(ptrs, vals, mask=(rows < end_row)[:, None])
+
+
+# ---------------------------------------------------------------- dK / dV
+@gluon.jit
+def _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, it, total, num_m_blocks, row0_q, m_lo, first_col,
+                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """TMA the Q and dO rows of step ``it`` (query head ``it // num_m_blocks`` of the group, query
+    block ``it % num_m_blocks``) into ring slot ``it % STAGES``; skipped when ``it >= total``."""
+    slot = it % STAGES
+    pred = it < total
+    g = it // num_m_blocks
+    row = row0_q + m_lo + (it - g * num_m_blocks) * BLOCK_M
+    col = first_col + g * HEAD_DIM
+    bar = ready.index(slot)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_bufs.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_bufs.index(slot), pred=pred)
+
+
+@gluon.jit
+def _probs_t(s_t, lse_log2, offs_k, m_start, m_mid_lo, m_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+             window_right, chunk_size, BLOCK_M: gl.constexpr, s_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """``P^T = exp2(S^T c - lse log2e)`` of the query block at ``m_start``; blocks outside the fully
+    visible band ``[mid_lo, mid_hi)`` get the element mask (a uniform branch, so one loop serves both
+    kinds of block; the query positions are only materialised there)."""
+    p_t = gl.exp2(s_t * qk_scale_log2 - lse_log2[None, :])
+    if (m_start < m_mid_lo) | (m_start >= m_mid_hi):
+        offs_q = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        ok = _visible_t(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
+                        HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        p_t = gl.where(ok, p_t, 0.0)
+    return p_t
+
+
+@gluon.jit
+def _dkdv_step(it, ds_prev, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta, stride_lse_head, row0_q,
+               first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv, qk_scale_log2,
+               window_left, window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+               WITH_PREV: gl.constexpr, num_warps: gl.constexpr):
+    """One (query head, query block) step of the dK/dV loop (module docstring). ``WITH_PREV``: also
+    issue the previous step's ``dK += dS^T Q`` (operand ``ds_prev``) under this step's work.
+    Returns ``(dk, dv, ds_t)`` with no wgmma in flight; ``ds_t`` is this step's dS^T as an A operand."""
+    slot = it % STAGES
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    g = it // num_m_blocks
+    m_start = m_lo + (it - g * num_m_blocks) * BLOCK_M
+    q_buf = q_bufs.index(slot)
+    do_buf = do_bufs.index(slot)
+    if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
+        _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, num_warps)
+        _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, num_warps)
+
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if WITH_PREV:
+        dk_tok = warpgroup_mma(ds_prev, q_bufs.index((it + STAGES - 1) % STAGES), dk, is_async=True)
+    lse_log2 = _lse_log2(Lse, first_head + g, stride_lse_head, row0_q, m_start, len_q, BLOCK_M,
+                         gl.SliceLayout(0, s_layout))
+    if WITH_PREV:
+        s_t = warpgroup_mma_wait(2, deps=(s_tok, ))
+    else:
+        s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+
+    p_t = _probs_t(s_t, lse_log2, offs_k, m_start, m_mid_lo, m_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+                   window_right, chunk_size, BLOCK_M, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    p_op = _to_operand(p_t, k_smem.dtype, o_layout)
+    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+    # loaded only now (its latency hides behind the dP^T wait): 16 fewer live registers during P^T
+    delta = _row_vector(Delta, first_head + g, stride_lse_head, row0_q, m_start, len_q, BLOCK_M,
+                        gl.SliceLayout(0, s_layout), 0.0)
+    if WITH_PREV:
+        dp_t, dk, ds_prev = warpgroup_mma_wait(1, deps=(dp_tok, dk_tok, ds_prev))
+    else:
+        dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
+
+    ds_t = _to_operand(p_t * (dp_t - delta[None, :]), k_smem.dtype, o_layout)
+    dv, p_op = warpgroup_mma_wait(0, deps=(dv_tok, p_op))
+    return dk, dv, ds_t
+
+
+@gluon.jit
+def _dkdv_loop(k_smem, v_smem, q_desc, do_desc, q_bufs, do_bufs, ready, dk, dv, Lse, Delta, stride_lse_head,
+               row0_q, first_head, total, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv,
+               qk_scale_log2, window_left, window_right, chunk_size, s_layout: gl.constexpr,
+               o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+               TOP_LEFT: gl.constexpr, num_warps: gl.constexpr):
+    """All ``total >= 1`` steps (query heads x query blocks) of one key tile, software-pipelined as
+    in the module docstring; the first ``min(STAGES, total)`` steps are already being loaded."""
+    dk, dv, ds_t = _dkdv_step(0, None, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta, stride_lse_head,
+                              row0_q, first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv,
+                              qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, num_warps)
+    for it in range(1, total):
+        dk, dv, ds_t = _dkdv_step(it, ds_t, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta,
+                                  stride_lse_head, row0_q, first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi,
+                                  offs_k, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+                                  s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT,
+                                  HAS_CHUNK, TOP_LEFT, True, num_warps)
+        # both warp groups are done with step it-1 (Q by dK[it-1], dO by dV[it-1]): refill its slot
+        gl.thread_barrier()
+        _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, it - 1 + STAGES, total, num_m_blocks, row0_q,
+                         m_lo, first_head * HEAD_DIM, STAGES, BLOCK_M, HEAD_DIM)
+    last_q = q_bufs.index((total - 1) % STAGES)
+    dk, ds_t = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds_t, last_q, dk, is_async=True), ds_t))
+    return dk, dv
+
+
+@gluon.jit
+def varlen_bwd_dkdv_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
+    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dK, dV of one (key tile, kv head); see the module docstring. Descriptors over the
+    ``(rows, heads * HEAD_DIM)`` views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``,
+    ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``Lse`` / ``Delta``: float32
+    ``(heads_q, rows)`` with row stride 1. Tile rows ``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]``
+    (query ranges on the grid ``m_lo + i * BLOCK_M``). Keys no query sees get dK = dV = 0."""
+    gl.static_assert(BLOCK_N == 16 * num_warps, "one warp group per 64 keys (4 or 8 warps)")
+    gl.static_assert(STAGES >= 2, "step it-1+STAGES is loaded at the end of step it")
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_M)  # S^T, dP^T: (BLOCK_N keys, BLOCK_M queries)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)  # dK, dV: (BLOCK_N, HEAD_DIM)
+
+    pid = gl.program_id(0)
+    tile = pid // num_heads_kv  # heads vary fastest: the longest tiles of every head start first
+    kv_head = pid % num_heads_kv
+    seq = gl.load(tiles + tile * 6)
+    if seq < 0:
+        return
+    k_start = gl.load(tiles + tile * 6 + 1)
+    m_lo = gl.load(tiles + tile * 6 + 2)
+    m_mid_lo = gl.load(tiles + tile * 6 + 3)
+    m_mid_hi = gl.load(tiles + tile * 6 + 4)
+    m_hi = gl.load(tiles + tile * 6 + 5)
+    len_q = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
+    len_kv = gl.load(cu_seqlens_kv + seq + 1) - gl.load(cu_seqlens_kv + seq)
+    row0_q = gl.load(row_offsets_q + seq)
+    row0_kv = gl.load(row_offsets_kv + seq)
+    num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
+    total = group_size * num_m_blocks  # steps: query heads of the group x query blocks
+    first_head = kv_head * group_size
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    if total > 0:
+        for i in gl.static_range(STAGES):
+            _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, i, total, num_m_blocks, row0_q, m_lo,
+                             first_head * HEAD_DIM, STAGES, BLOCK_M, HEAD_DIM)
+        offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(kv_bar, 0)
+        dk, dv = _dkdv_loop(k_smem, v_smem, q_desc, do_desc, q_bufs, do_bufs, ready, dk, dv, Lse, Delta,
+                            stride_lse_head, row0_q, first_head, total, num_m_blocks, m_lo, m_mid_lo, m_mid_hi,
+                            offs_k, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                            num_warps)
+    else:
+        mbarrier.wait(kv_bar, 0)  # no query sees these keys: store zeros (the K/V load must land first)
+
+    row0_kv64 = row0_kv.to(gl.int64)
+    _store_tile(dv, v_smem, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, k_start,
+                len_kv, stride_dv_row, BLOCK_N, HEAD_DIM, num_warps)
+    _store_tile(dk * scale, k_smem, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head, k_start,
+                len_kv, stride_dk_row, BLOCK_N, HEAD_DIM, num_warps)
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+# ---------------------------------------------------------------- dQ
+@gluon.jit
+def _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+           window_right, chunk_size, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
+           HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """``P = exp2(S c - lse log2e)`` of key block ``n_start``; masked outside ``[mid_lo, mid_hi)``."""
+    p = gl.exp2(s * qk_scale_log2 - lse_log2[:, None])
+    if (n_start < n_mid_lo) | (n_start >= n_mid_hi):
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = _visible(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
+                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        p = gl.where(ok, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _dq_step(j, ds_prev, dq, q_smem, do_smem, k_bufs, v_bufs, ready, lse_log2, delta, offs_m, n_lo, n_mid_lo,
+             n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+             HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, WITH_PREV: gl.constexpr, num_warps: gl.constexpr):
+    """Key block ``j`` of the dQ loop (module docstring). ``WITH_PREV``: also issue the previous
+    block's ``dQ += dS K`` (operand ``ds_prev``). Returns ``(dq, ds)``, no wgmma in flight."""
+    slot = j % STAGES
+    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    n_start = n_lo + j * BLOCK_N
+    k_buf = k_bufs.index(slot)
+    v_buf = v_bufs.index(slot)
+    if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
+        _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, num_warps)
+        _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, num_warps)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if WITH_PREV:
+        dq_tok = warpgroup_mma(ds_prev, k_bufs.index((j + STAGES - 1) % STAGES), dq, is_async=True)
+        s = warpgroup_mma_wait(2, deps=(s_tok, ))
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    p = _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+               window_right, chunk_size, BLOCK_N, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    if WITH_PREV:
+        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    else:
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = _to_operand(p * (dp - delta[:, None]), q_smem.dtype, o_layout)
+    if WITH_PREV:
+        dq, ds_prev = warpgroup_mma_wait(0, deps=(dq_tok, ds_prev))
+    return dq, ds
+
+
+@gluon.jit
+def _dq_loop(q_smem, do_smem, k_desc, v_desc, k_bufs, v_bufs, ready, dq, lse_log2, delta, row0_kv, col_kv, offs_m,
+             n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left, window_right,
+             chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, num_warps: gl.constexpr):
+    """All ``num_blocks >= 1`` key blocks of one query tile, software-pipelined; the first
+    ``min(STAGES, num_blocks)`` blocks are already being loaded."""
+    dq, ds = _dq_step(0, None, dq, q_smem, do_smem, k_bufs, v_bufs, ready, lse_log2, delta, offs_m, n_lo, n_mid_lo,
+                      n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                      o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False,
+                      num_warps)
+    for j in range(1, num_blocks):
+        dq, ds = _dq_step(j, ds, dq, q_smem, do_smem, k_bufs, v_bufs, ready, lse_log2, delta, offs_m, n_lo,
+                          n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+                          s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                          TOP_LEFT, True, num_warps)
+        # both warp groups are done with block j-1 (K by dQ[j-1], V by dP[j-1]): refill its slot
+        gl.thread_barrier()
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, row0_kv, n_lo, col_kv, num_blocks,
+                       STAGES, BLOCK_N)
+    last_k = k_bufs.index((num_blocks - 1) % STAGES)
+    dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, last_k, dq, is_async=True), ds))
+    return dq
+
+
+@gluon.jit
+def varlen_bwd_dq_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_dq_row, stride_dq_head, stride_lse_head,
+    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dQ of one (query tile, query head); see the module docstring. Descriptors: ``q_desc`` /
+    ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``.
+    Tile rows ``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` (key ranges on the grid
+    ``n_lo + i * BLOCK_N``). Queries that see no key get dQ = 0."""
+    gl.static_assert(BLOCK_M == 16 * num_warps, "one warp group per 64 queries (4 or 8 warps)")
+    gl.static_assert(STAGES >= 2, "block j-1+STAGES is loaded at the end of iteration j")
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)  # S, dP: (BLOCK_M, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)  # dQ: (BLOCK_M, HEAD_DIM)
+
+    pid = gl.program_id(0)
+    tile = pid // num_heads_q
+    head = pid % num_heads_q
+    seq = gl.load(tiles + tile * 6)
+    if seq < 0:
+        return
+    q_start = gl.load(tiles + tile * 6 + 1)
+    n_lo = gl.load(tiles + tile * 6 + 2)
+    n_mid_lo = gl.load(tiles + tile * 6 + 3)
+    n_mid_hi = gl.load(tiles + tile * 6 + 4)
+    n_hi = gl.load(tiles + tile * 6 + 5)
+    len_q = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
+    len_kv = gl.load(cu_seqlens_kv + seq + 1) - gl.load(cu_seqlens_kv + seq)
+    row0_q = gl.load(row_offsets_q + seq)
+    row0_kv = gl.load(row_offsets_kv + seq)
+    col_kv = (head // group_size) * HEAD_DIM
+    num_blocks = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+    for i in gl.static_range(STAGES):
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, i, row0_kv, n_lo, col_kv, num_blocks, STAGES, BLOCK_N)
+
+    row0_q64 = row0_q.to(gl.int64)
+    offs_m = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, q_start, len_q, BLOCK_M, gl.SliceLayout(1, s_layout))
+    delta = _row_vector(Delta, head, stride_lse_head, row0_q, q_start, len_q, BLOCK_M, gl.SliceLayout(1, s_layout),
+                        0.0)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if num_blocks > 0:
+        dq = _dq_loop(q_smem, do_smem, k_desc, v_desc, k_bufs, v_bufs, ready, dq, lse_log2, delta, row0_kv, col_kv,
+                      offs_m, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
+                      window_right, chunk_size, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                      HAS_RIGHT, HAS_CHUNK, TOP_LEFT, num_warps)
+
+    _store_tile(dq * scale, q_smem, dQ + row0_q64 * stride_dq_row + head.to(gl.int64) * stride_dq_head, q_start,
+                len_q, stride_dq_row, BLOCK_M, HEAD_DIM, num_warps)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))

@@ -1,0 +1,208 @@
+"""Compile the Gluon Hopper backward (`packattn.kernels.varlen_bwd_gluon`) for sm_90a on a machine
+without a GPU, for every mask combination, head dim and dtype, and check what matters before a GPU run:
+
+* shared memory (at most the 227 KB one CTA may use on an H100/H200) and ptxas registers / spills;
+* ptxas warnings (a "wgmma ... serialized" warning, e.g. C7514, means the async overlap is gone);
+* proof of the overlap: inside the main loop the PTX waits with ``wgmma.wait_group.sync.aligned 2``
+  and ``... 1`` (and the TTGIR has ``warp_group_dot_wait {pendings = 2}`` / ``{pendings = 1}``) in a
+  loop that also holds the ``ex2`` of P: wgmma's stay in flight while the warp group computes P
+  and dS (module docstring of the kernels for the schedule).
+
+    python scripts/check_gluon_bwd_compile.py [--kernels dkdv dq] [--head-dims 64 128] [--dtypes bf16 fp16]
+    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,64,3,4 --masks R   # another config
+    python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
+from packattn.backends.triton_fwd_gluon import smem_layout  # noqa: E402
+from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+# L(eft window) R(ight window / causal) C(hunk) T(op-left); "" = no mask
+MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
+KERNELS = {"dkdv": (varlen_bwd_dkdv_gluon_kernel, tb.dkdv_config),
+           "dq": (varlen_bwd_dq_gluon_kernel, tb.dq_config)}
+INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv")
+# a real launch gives these tt.divisibility = 16: 16-byte aligned tensors, (rows, heads, d) contiguous
+# strides (multiples of d), lse / delta rows a multiple of 16 (true of the workloads, not of every batch)
+ALIGNED = set(INT_POINTERS) | {"Lse", "Delta", "dK", "dV", "dQ", "stride_dk_row", "stride_dk_head", "stride_dv_row",
+                               "stride_dv_head", "stride_dq_row", "stride_dq_head", "stride_lse_head"}
+
+
+def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
+    """The signature string the JIT gives a host `TensorDescriptor` with this block (the launcher's layout)."""
+    dummy = torch.empty(256, 2048, dtype=dtype)  # CPU tensor: only its dtype / alignment matter
+    return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), block,
+                                        smem_layout(block, dtype)))
+
+
+def ptxas_report(ptx: str) -> tuple[str, list[str]]:
+    """(registers / spills line, warnings) from triton's bundled ptxas for sm_90a."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    text = done.stderr + done.stdout
+    usage = " | ".join(line.split("info    : ")[-1].strip() for line in text.splitlines()
+                       if "registers" in line or "spill" in line)
+    warnings = [line.strip() for line in text.splitlines() if "warning" in line.lower()]
+    return usage or text.strip()[-300:], warnings
+
+
+def _ptx_loops(ptx: str) -> list[str]:
+    """PTX text of each loop: from a branch target to a later conditional branch back to it."""
+    bodies = []
+    for match in re.finditer(r"^\s*@%p\d+ bra(?:\.uni)?\s+\$(L__BB\d+_\d+);", ptx, re.M):
+        start = ptx.find(f"${match.group(1)}:")
+        if 0 <= start < match.start():
+            bodies.append(ptx[start:match.end()])
+    return bodies
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost exception's message (Triton wraps frontend errors in CompilationErrors)."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {str(e)[-1500:]}"
+
+
+def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None):
+    """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``)."""
+    fn, config_for = KERNELS[kernel]
+    dtype = DTYPES[dtype_name]
+    cfg = cfg or config_for(head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                      HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
+                      num_warps=cfg.num_warps)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("q_desc", "do_desc"):
+            signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
+        elif name in ("k_desc", "v_desc"):
+            signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
+        elif name in ("dK", "dV", "dQ"):
+            signature[name] = "*" + dtype_name
+        elif name in ("Lse", "Delta"):
+            signature[name] = "*fp32"
+        elif name in INT_POINTERS:
+            signature[name] = "*i32"
+        elif name in ("qk_scale_log2", "scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
+    src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": 1})
+    return cfg, compiled
+
+
+def _scf_for_bodies(ttgir: str) -> list[str]:
+    """Text of each ``scf.for`` region of the TTGIR, from the op to its matching closing brace
+    (nested ``scf.if`` regions with their own ``scf.yield`` included)."""
+    bodies = []
+    for match in re.finditer(r"scf\.for\b", ttgir):
+        open_at = ttgir.find("{\n", match.end())  # the region's brace ends the line (attributes use "<{")
+        depth, i = 0, open_at
+        while i < len(ttgir):
+            depth += {"{": 1, "}": -1}.get(ttgir[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        bodies.append(ttgir[match.start():i + 1])
+    return bodies
+
+
+def overlap_proof(compiled) -> tuple[bool, str]:
+    """Are wgmma's left in flight across P and dS? The TTGIR main loop must wait with pendings = 2
+    (S done; dP and the previous block's dK / dQ in flight during P) and pendings = 1 (dV / dQ in
+    flight during dS); the PTX loop must hold ``wgmma.wait_group 2`` and ``1`` beside wgmma and ex2."""
+    loops = [b for b in _scf_for_bodies(compiled.asm["ttgir"]) if "ttng.warp_group_dot " in b]
+    ir_ok = any("pendings = 2" in b and "pendings = 1" in b for b in loops)
+    ptx_loops = [b for b in _ptx_loops(compiled.asm["ptx"]) if "wgmma.mma_async" in b]
+    ptx_ok = any("wgmma.wait_group.sync.aligned 2;" in b and "wgmma.wait_group.sync.aligned 1;" in b
+                 and "ex2.approx" in b for b in ptx_loops)
+    counts = {}
+    if ptx_loops:
+        body = max(ptx_loops, key=len)
+        counts = {"mma_async": body.count("wgmma.mma_async"),
+                  **{f"wait{n}": body.count(f"wgmma.wait_group.sync.aligned {n};") for n in (2, 1, 0)},
+                  "ex2": body.count("ex2.approx"), "bar.sync": body.count("bar.sync"),
+                  "tma": body.count("cp.async.bulk.tensor")}
+    detail = (f"ttgir pendings=2 and 1 in loop: {ir_ok}; ptx wait_group 2 and 1 in loop with wgmma+ex2: {ptx_ok}; "
+              f"main loop {counts}")
+    return ir_ok and ptx_ok, detail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(tb.HEAD_DIMS))
+    parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
+    parser.add_argument("--config", default=None,
+                        help="block_m,block_n,stages,num_warps instead of the launcher's table, e.g. 64,64,3,4")
+    parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
+    args = parser.parse_args()
+    config = tb.GluonBwdConfig(*(int(x) for x in args.config.split(","))) if args.config else None
+    failures = 0
+    for kernel in args.kernels:
+        for dtype_name in args.dtypes:
+            for head_dim in args.head_dims:
+                for mask in args.masks:
+                    label = f"{kernel:4s} {dtype_name} d={head_dim} mask={mask or '-':4s}"
+                    try:
+                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config)
+                    except Exception as e:  # report and go on
+                        failures += 1
+                        print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
+                              f"    cause: {_root_cause(e)}", flush=True)
+                        continue
+                    shared = compiled.metadata.shared
+                    usage, warnings = ptxas_report(compiled.asm["ptx"])
+                    ok, detail = overlap_proof(compiled)
+                    spills = re.search(r"(\d+) bytes spill stores", usage)
+                    bad = shared > SHARED_LIMIT or not ok or bool(warnings) or (spills and int(spills.group(1)) > 0)
+                    failures += bool(bad)
+                    print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
+                          f"warps={cfg.num_warps} shared={shared}"
+                          f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}", flush=True)
+                    print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
+                    for w in warnings:
+                        print(f"    ptxas: {w}", flush=True)
+                    if args.dump:
+                        os.makedirs(args.dump, exist_ok=True)
+                        stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask or 'none'}_"
+                                                       f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}")
+                        for ext in ("ttgir", "ptx"):
+                            with open(f"{stem}.{ext}", "w") as f:
+                                f.write(compiled.asm[ext])
+    print(f"{failures} variant(s) with problems", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
