@@ -59,7 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--balances", nargs="*", help="--cp: plan balances (default: zigzag documents)")
     bench.add_argument("--backend", default="triton", help="--cp: attention backend of the local problems")
     bench.add_argument("--no-check", action="store_true", help="--cp: skip the comparison with one GPU")
+    bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
+                       help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.cp_scaling:
+        if not args.plot:
+            parser.error("--cp-scaling needs --plot FILE.png")
+        from packattn.bench.cp import plot_scaling
+
+        plot_scaling(args.cp_scaling, args.plot)
+        return 0
     if args.command == "bench" and args.cp:
         from packattn.bench.cp import run_cp_bench
 

@@ -52,3 +52,19 @@ def test_exposed_communication_counts_only_uncovered_nccl_time():
     comm, exposed = exposed_communication(kernels)
     assert comm == 0.2 and abs(exposed - 0.16) < 1e-12
     assert exposed_communication([("k", 0.0, 5.0)]) == (0.0, 0.0)
+
+
+def test_cp_scaling_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    paths = []
+    for world, eff in ((1, 0.94), (2, 0.99), (4, 0.97)):
+        path = tmp_path / f"w{world}.json"
+        rows = [{"workload": "W10", "impl": "packattn:cp:allgather:documents", "world": world, "eff_fwdbwd": eff},
+                {"workload": "W10", "impl": "packattn:cp:p2p:zigzag", "world": world, "error": "boom"}]
+        path.write_text(json.dumps({"env": {"gpu": "test"}, "rows": rows}))
+        paths.append(str(path))
+    png = tmp_path / "scaling.png"
+    assert cli.main(["bench", "--cp-scaling", *paths, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -224,3 +224,35 @@ def _format_row(row: dict) -> str:
             f"comm {row['comm_ms_fwdbwd']:.3f} ms, exposed {row['exposed_comm_ms_fwdbwd']:.3f} ms | "
             f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e} | "
             f"deterministic {'bitwise' if row.get('deterministic_bitwise') else 'DIFFERS'}")
+
+
+def plot_scaling(json_paths: list[str], png: str) -> None:
+    """Parallel efficiency (forward+backward) against world size, one line per strategy:balance,
+    from `run_cp_bench` JSON files of several world sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float]]] = {}
+    gpu = ""
+    for path in json_paths:
+        with open(path) as f:
+            data = json.load(f)
+        gpu = data["env"]["gpu"]
+        for row in data["rows"]:
+            if "eff_fwdbwd" in row:
+                lines.setdefault(row["impl"].removeprefix("packattn:cp:"), []).append((row["world"], row["eff_fwdbwd"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(lines.items()):
+        points.sort()
+        ax.plot([w for w, _ in points], [e for _, e in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs (world size)")
+    ax.set_ylabel("parallel efficiency, fwd+bwd")
+    ax.set_ylim(0, 1.1)
+    ax.set_title(f"W10 weak scaling (32768 tokens per GPU), {gpu}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)

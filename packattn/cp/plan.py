@@ -119,7 +119,7 @@ class CPPlan:
                 f"local_rows={self.num_local}, pieces={self.pieces.shape[0]}, total={self.total})")
 
 
-def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance: str = "zigzag",
+def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance: str = "documents",
          world: int | tuple[int, int] | None = None, rank: int | None = None,
          outer: str | None = None) -> CPPlan:
     """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
