@@ -11,6 +11,13 @@ without a GPU, for every mask combination and head dim, and check what matters b
     python scripts/check_gluon_compile.py [--head-dims 64 128] [--dtypes bf16 fp16] [--masks R RT ...]
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
     python scripts/check_gluon_compile.py --config 64,64,3,4      # another block_m,block_n,stages,warps
+    python scripts/check_gluon_compile.py --config 128,128,3,8,ws,persistent,direct   # warp-specialised
+    python scripts/check_gluon_compile.py --all                   # every config of tg.ab_variants(d)
+
+For the warp-specialised kernel it also reports, per partition, the setmaxnreg budget and the
+highest register the partition's SASS touches, and per loop (innermost loops of the PTX, from
+LLVM's loop annotations) the barriers left in it: ``cta_bar`` (bar.sync over the whole CTA) and
+``named_bar`` ({threads: count}: a barrier over one partition's warps, 128 = one warp group).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
@@ -108,35 +116,96 @@ def ptxas_report(ptx: str) -> tuple[str, list[str]]:
     return usage or text.strip()[-300:], warnings
 
 
-def _loop_bodies(ptx: str) -> list[str]:
-    """PTX between each backward branch target and the branch to it (the loops), innermost text."""
-    bodies = []
-    for match in re.finditer(r"^\s*@%p\d+ bra\s+\$(L__BB\d+_\d+);", ptx, re.M):
-        label = match.group(1)
-        start = ptx.find(f"${label}:")
-        if 0 <= start < match.start():
-            bodies.append(ptx[start:match.end()])
-    return bodies
+_BLOCK_START = re.compile(r"^(?:\$L__(BB\d+_\d+):|// %bb\.(\d+):)", re.M)
 
 
-def overlap_proof(compiled) -> tuple[bool, str]:
+def _ptx_loops(ptx: str) -> dict[str, str]:
+    """Innermost-loop bodies of the PTX, keyed by loop header: the text of every basic block whose
+    innermost enclosing loop (from LLVM's loop annotations, "in Loop: Header=BB0_7" / "This Loop
+    Header") is that header. Child loops are not part of their parent's body."""
+    starts = [m.start() for m in _BLOCK_START.finditer(ptx)] + [len(ptx)]
+    loops: dict[str, list[str]] = {}
+    for a, b in zip(starts, starts[1:]):
+        block = ptx[a:b]
+        lines = block.splitlines()
+        label = _BLOCK_START.match(block)
+        name = label.group(1) or f"bb.{label.group(2)}"
+        notes = [lines[0]] + [ln for ln in lines[1:] if ln.strip().startswith("//")][:6]
+        notes = " ".join(ln for ln in notes)
+        if "Loop Header" in notes:
+            header = name
+        else:
+            found = re.search(r"in Loop: Header=(BB\d+_\d+)", notes)
+            if not found:
+                continue
+            header = found.group(1)
+        loops.setdefault(header, []).append(block)
+    return {h: "".join(blocks) for h, blocks in loops.items()}
+
+
+def _loop_stats(body: str) -> dict:
+    """Static instruction counts of one loop body (both softmax branches are in it). ``cta_bar``:
+    ``bar.sync id`` / ``barrier.sync id`` over all the CTA's threads; ``named_bar``: ``bar.sync id,
+    threads`` (a barrier over one partition's warps), listed as ``{threads: count}``."""
+    named: dict[int, int] = {}
+    for m in re.finditer(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+\d+\s*,\s*(\d+)\s*;", body):
+        named[int(m.group(1))] = named.get(int(m.group(1)), 0) + 1
+    cta = len(re.findall(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+\d+\s*;", body))
+    return {"mma_async": body.count("wgmma.mma_async"), "wait1": body.count("wgmma.wait_group.sync.aligned 1;"),
+            "wait0": body.count("wgmma.wait_group.sync.aligned 0;"), "ex2": body.count("ex2.approx"),
+            "cta_bar": cta, "named_bar": named, "mbar_wait": body.count("mbarrier.try_wait"),
+            "mbar_arrive": len(re.findall(r"mbarrier\.arrive(?!\.expect_tx)", body)),
+            "tma": body.count("cp.async.bulk.tensor")}
+
+
+def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
     """Is a wgmma left in flight across the softmax? Checks the TTGIR (warp_group_dot_wait with
-    pendings = 1 inside the scf.for) and the PTX (wgmma.wait_group 1 inside a loop that also holds
-    wgmma.mma_async and ex2)."""
+    pendings = 1 inside an scf.for) and the PTX: some innermost loop holds wgmma.mma_async, ex2
+    and wgmma.wait_group 1 (the main loop; one per consumer partition when warp-specialised).
+    Returns ``(ok, detail, stats)`` with ``stats`` the `_loop_stats` of each main loop and of
+    each loop that issues TMA loads (the producer's, when warp-specialised)."""
     ttgir = compiled.asm["ttgir"]
     ptx = compiled.asm["ptx"]
-    loop_ir = ttgir[ttgir.find("scf.for"):]
-    ir_ok = "pendings = 1" in loop_ir.split("scf.yield")[0] if "scf.for" in ttgir else False
-    ptx_loops = [b for b in _loop_bodies(ptx) if "wgmma.mma_async" in b]
-    ptx_ok = any("wgmma.wait_group.sync.aligned 1;" in b and "ex2.approx" in b for b in ptx_loops)
-    counts = {}
-    if ptx_loops:
-        body = max(ptx_loops, key=len)
-        counts = {"mma_async": body.count("wgmma.mma_async"), "wait1": body.count("wgmma.wait_group.sync.aligned 1;"),
-                  "wait0": body.count("wgmma.wait_group.sync.aligned 0;"), "ex2": body.count("ex2.approx"),
-                  "bar.sync": body.count("bar.sync"), "tma": body.count("cp.async.bulk.tensor")}
-    detail = f"ttgir pendings=1 in loop: {ir_ok}; ptx wait_group 1 in loop with wgmma+ex2: {ptx_ok}; main loop {counts}"
-    return ir_ok and ptx_ok, detail
+    first_for = ttgir.find("scf.for")
+    ir_ok = first_for >= 0 and re.search(r"pendings = 1\b", ttgir[first_for:]) is not None
+    stats = []
+    for header, body in _ptx_loops(ptx).items():
+        st = _loop_stats(body)
+        main = st["mma_async"] and st["wait1"] and st["ex2"]
+        if main or st["tma"]:
+            stats.append({"loop": header, "kind": "main" if main else "tma", **st})
+    ptx_ok = any(st["kind"] == "main" for st in stats)
+    detail = f"ttgir pendings=1 in a loop: {ir_ok}; ptx loop with wgmma + wait_group 1 + ex2: {ptx_ok}"
+    return ir_ok and ptx_ok, detail, stats
+
+
+def sass_register_regions(cubin: bytes) -> list[tuple[int, int, int]]:
+    """``(register limit, registers used, instructions)`` for each stretch of SASS between two
+    ``USETMAXREG`` (setmaxnreg) instructions, in program order, stretches of fewer than 40
+    instructions left out: the register budget each warp-specialised partition runs under and
+    the highest register its code touches (+1). Empty for a kernel without setmaxnreg."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regions, limit, top, count = [], None, -1, 0
+    for line in sass.splitlines():
+        m = re.search(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?(0x[0-9a-f]+|\d+)", line)
+        if m:
+            if limit is not None and count >= 40:
+                regions.append((limit, top + 1, count))
+            limit, top, count = int(m.group(1), 0), -1, 0
+            continue
+        if limit is not None and re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            count += 1
+            for r in re.findall(r"\bR(\d+)\b", line):
+                top = max(top, int(r))
+    if limit is not None and count >= 40:
+        regions.append((limit, top + 1, count))
+    return regions
 
 
 def _root_cause(e: BaseException) -> str:
@@ -146,46 +215,86 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[-1500:]}"
 
 
+def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | None,
+                  dump: str | None = None) -> tuple[bool, str]:
+    """Compile one variant and check it: ``(problem, report text)``. A problem is a failed
+    compile, shared memory over the limit, a spill, a ptxas warning (C7514/C7515...), a missing
+    overlap, or a warp-specialised partition touching more registers than its setmaxnreg budget."""
+    config = tg.parse_config(config_text) if config_text else None
+    label = f"{dtype_name} d={head_dim} mask={mask or '-':4s}"
+    try:
+        cfg, compiled = compile_variant(dtype_name, head_dim, mask, config)
+    except Exception as e:  # report and go on
+        return True, (f"{label} [{config_text or 'default'}]: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
+                      f"    cause: {_root_cause(e)}")
+    shared = compiled.metadata.shared
+    usage, warnings = ptxas_report(compiled.asm["ptx"])
+    ok, detail, loops = overlap_proof(compiled)
+    regions = sass_register_regions(compiled.asm["cubin"])
+    spills = re.search(r"(\d+) bytes spill stores", usage)
+    over = [r for r in regions if r[1] > r[0]]
+    bad = shared > SHARED_LIMIT or not ok or bool(warnings) or bool(spills and int(spills.group(1)) > 0) or bool(over)
+    lines = [f"{label} [{cfg.label()}]: shared={shared}{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}",
+             f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
+    if regions:
+        lines.append("    partitions (setmaxnreg budget: registers used / SASS instructions): "
+                     + "; ".join(f"{lim}: {used} / {n}" for lim, used, n in regions)
+                     + (" OVER BUDGET" if over else ""))
+    for st in loops:
+        lines.append("      " + " ".join(f"{k}={v}" for k, v in st.items()))
+    lines += [f"    ptxas: {w}" for w in warnings]
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        stem = os.path.join(dump, f"{dtype_name}_d{head_dim}_{mask or 'none'}_{cfg.label().replace(',', '_')}")
+        for ext in ("ttgir", "ptx"):
+            with open(f"{stem}.{ext}", "w") as f:
+                f.write(compiled.asm[ext])
+    return bad, "\n".join(lines)
+
+
+def _check_job(job):
+    return check_variant(*job)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(tg.HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
-    parser.add_argument("--config", default=None,
-                        help="block_m,block_n,stages,num_warps instead of the launcher's table, e.g. 64,64,3,4")
+    parser.add_argument("--config", action="append", default=None,
+                        help="a configuration instead of the launcher's table (repeatable), in the format of "
+                             "$PACKATTN_GLUON_FWD_CONFIG: block_m,block_n,stages,num_warps[,ws][,persistent][,direct]")
+    parser.add_argument("--all", action="store_true",
+                        help="every configuration of triton_fwd_gluon.ab_variants(head_dim) (persistent ones "
+                             "compile to their non-persistent kernel)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                        help="compile in this many processes")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     args = parser.parse_args()
-    config = tg.GluonConfig(*(int(x) for x in args.config.split(","))) if args.config else None
-    failures = 0
+    jobs = []
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
-            for mask in args.masks:
-                label = f"{dtype_name} d={head_dim} mask={mask or '-':4s}"
-                try:
-                    cfg, compiled = compile_variant(dtype_name, head_dim, mask, config)
-                except Exception as e:  # report and go on
-                    failures += 1
-                    print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n    cause: {_root_cause(e)}", flush=True)
-                    continue
-                shared = compiled.metadata.shared
-                usage, warnings = ptxas_report(compiled.asm["ptx"])
-                ok, detail = overlap_proof(compiled)
-                spills = re.search(r"(\d+) bytes spill stores", usage)
-                bad = shared > SHARED_LIMIT or not ok or bool(warnings) or (spills and int(spills.group(1)) > 0)
-                failures += bool(bad)
-                print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
-                      f"warps={cfg.num_warps} shared={shared}"
-                      f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}", flush=True)
-                print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
-                for w in warnings:
-                    print(f"    ptxas: {w}", flush=True)
-                if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    stem = os.path.join(args.dump, f"{dtype_name}_d{head_dim}_{mask or 'none'}_m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}")
-                    for ext in ("ttgir", "ptx"):
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(compiled.asm[ext])
-    print(f"{failures} variant(s) with problems", flush=True)
+            if args.all:  # `persistent` only changes the grid: its kernels are the non-persistent ones
+                configs = list(dict.fromkeys(replace(c, persistent=False).label() for c in tg.ab_variants(head_dim)))
+            else:
+                configs = args.config or [None]
+            for config_text in configs:
+                for mask in args.masks:
+                    jobs.append((dtype_name, head_dim, mask, config_text, args.dump))
+    failures = 0
+    if args.jobs > 1 and len(jobs) > 1:
+        import multiprocessing
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            results = pool.imap(_check_job, jobs)
+            for bad, text in results:
+                failures += bad
+                print(text, flush=True)
+    else:
+        for job in jobs:
+            bad, text = _check_job(job)
+            failures += bad
+            print(text, flush=True)
+    print(f"{failures} of {len(jobs)} variant(s) with problems", flush=True)
     return 1 if failures else 0
 
 

@@ -10,13 +10,31 @@ raw pointers for q, k and v. The query tile table must be built with this kernel
 
 `gluon_fwd_supported` says whether the kernel can run these tensors (CUDA, compute capability
 9.x, float16 / bfloat16, head dim 64 or 128, TMA-compatible strides).
+
+Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLUON_FWD_CONFIG``)::
+
+    PACKATTN_GLUON_FWD_CONFIG="block_m,block_n,stages,num_warps[,ws][,persistent][,direct]"
+
+* ``128,128,3,8`` -- `varlen_fwd_gluon_kernel` (the default at d = 128): 2 warp groups, CTA
+  barrier before each ring refill;
+* ``...,ws`` -- `varlen_fwd_gluon_ws_kernel`: a 1-warp TMA producer partition (24 registers) and
+  one partition per consumer warp group (the rest of the registers, setmaxnreg), ready / empty
+  mbarriers, no CTA barrier in the loop; ``num_warps`` still counts the consumer warps
+  (``block_m // 16``), the launch adds the producer (`ws_resources`);
+* ``...,ws,direct`` -- the output is stored from registers, so Q's buffer is released as soon as
+  the tile's last S wgmma is done (instead of after the epilogue, which stages through it);
+* ``...,ws,persistent`` -- ``ctas_per_sm x SMs`` programs loop over the work items (tiles x
+  heads, longest first, round robin): the producer loads tile t+1's K/V (and, with ``direct``,
+  its Q) while the consumers finish tile t.
+`ab_variants` lists the ones `benchmarks/ab_gluon_fwd.py` times and
+`scripts/check_gluon_compile.py --all` compiles.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,16 +99,24 @@ CONFIGS = {64: GluonConfig(128, 128, 4), 128: GluonConfig(128, 128, 3)}
 # --config ...), for A/B runs: at d = 128, (128, 64, 4 stages) needs 160 KB / ~165-180 registers;
 # (64, 64, 3 stages, 4 warps) needs 112 KB / ~160 registers, so two CTAs share an SM and one CTA's
 # prologue / epilogue hides behind the other's main loop (at the price of reading K/V twice as often).
-ALTERNATIVES = [
-    GluonConfig(128, 64, 4), GluonConfig(64, 64, 3, 4),
-    # warp-specialised (producer warp + one partition per consumer warp group), not timed yet
-    GluonConfig(128, 128, 3, 8, warp_specialize=True),
-    GluonConfig(128, 128, 3, 8, warp_specialize=True, direct_store=True),
-    GluonConfig(128, 128, 3, 8, warp_specialize=True, persistent=True, direct_store=True),
-    GluonConfig(128, 128, 3, 8, warp_specialize=True, persistent=True),
-    GluonConfig(64, 64, 3, 4, warp_specialize=True),
-    GluonConfig(64, 64, 3, 4, warp_specialize=True, persistent=True, direct_store=True),
-]
+ALTERNATIVES = [GluonConfig(128, 64, 4), GluonConfig(64, 64, 3, 4)]
+
+
+def ab_variants(head_dim: int) -> list[GluonConfig]:
+    """Every configuration worth an A/B run at ``head_dim``, the launcher's default first: the
+    table, `ALTERNATIVES`, and the warp-specialised kernel (not timed yet) on the default tiles
+    (plain; direct_store; persistent; persistent + direct_store) and on `ALTERNATIVES`' tiles.
+    `scripts/check_gluon_compile.py --all` compiles all of them, `benchmarks/ab_gluon_fwd.py` times them."""
+    base = CONFIGS[head_dim]
+    out = [base, LONG_CONFIGS[head_dim]] + ALTERNATIVES
+    ws = dict(warp_specialize=True)
+    out += [replace(base, **ws), replace(base, **ws, direct_store=True), replace(base, **ws, persistent=True),
+            replace(base, **ws, persistent=True, direct_store=True)]
+    for alt in ALTERNATIVES:
+        out += [replace(alt, **ws), replace(alt, **ws, persistent=True, direct_store=True)]
+    return list(dict.fromkeys(out))  # drop repeats, keep the order
+
+
 # "block_m,block_n,stages,num_warps[,ws][,persistent][,direct]" overrides CONFIGS (A/B runs); see parse_config
 ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 
@@ -180,18 +206,26 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2) -> int:
     return (cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
 
 
+MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230 (BLOCK_N 128) registers
+
+
 def ws_resources(cfg: GluonConfig, head_dim: int) -> dict:
-    """Occupancy and register split of the warp-specialised kernel: ``ctas_per_sm`` (from shared
-    memory), ``maxnreg`` (the kernel's launch bound: the SM's registers over all warps of the
-    resident CTAs, the producer warp padded to a warp group), ``consumer_regs`` (what setmaxnreg
-    gives each consumer warp group: the rest after the producer's ``PRODUCER_REGS``)."""
-    ctas = max(1, SM_SHARED // (shared_bytes(cfg, head_dim) + 1024))
+    """Occupancy and register split of the warp-specialised kernel: ``ctas_per_sm`` (as many CTAs
+    as shared memory allows while each consumer warp group keeps >= `MIN_CONSUMER_REGS`),
+    ``maxnreg`` (the kernel's launch bound: the SM's registers over all warps of the resident
+    CTAs, the producer warp padded to a warp group), ``consumer_regs`` (what setmaxnreg gives each
+    consumer warp group: the rest after the producer's ``PRODUCER_REGS``)."""
     warps = 4 * ((cfg.num_warps + 1 + 3) // 4)
-    maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
     consumers = cfg.num_warps // 4
-    consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * (warps // 4 - consumers)) // (4 * consumers)) // 8 * 8
-    return {"ctas_per_sm": ctas, "warps": warps, "maxnreg": maxnreg, "consumer_regs": consumer_regs,
-            "producer_regs": PRODUCER_REGS}
+    best = None
+    for ctas in range(1, max(1, SM_SHARED // (shared_bytes(cfg, head_dim) + 1024)) + 1):
+        maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
+        idle = warps // 4 - consumers  # warp groups other than the consumers (the producer's)
+        consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * idle) // (4 * consumers)) // 8 * 8
+        if best is None or consumer_regs >= MIN_CONSUMER_REGS:
+            best = {"ctas_per_sm": ctas, "warps": warps, "maxnreg": maxnreg, "consumer_regs": consumer_regs,
+                    "producer_regs": PRODUCER_REGS}
+    return best
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,11 +237,12 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
               row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor, q_tiles: torch.Tensor,
               scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-              padded_q: bool, long_seqs: bool = False, config: GluonConfig | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              padded_q: bool, long_seqs: bool = False, config: GluonConfig | None = None,
+              max_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the forward, as ``packattn::varlen_fwd``; ``q_tiles`` built with
     ``config_for(head_dim).block_m / .block_n`` (or ``config``'s, when given: it replaces
-    `config_for`); ``scale >= 0`` (the backend flips q otherwise)."""
+    `config_for`); ``scale >= 0`` (the backend flips q otherwise). ``max_programs`` (tests of
+    the persistent grid: many tiles per program on small problems) caps a persistent grid."""
     from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel, varlen_fwd_gluon_ws_kernel
 
     q, k, v = (_as_tma_tensor(x) for x in (q, k, v))
@@ -241,6 +276,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cfg.persistent:
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         grid = min(num_work, res["ctas_per_sm"] * _num_sms(index))
+        if max_programs is not None:
+            grid = max(1, min(grid, max_programs))
     varlen_fwd_gluon_ws_kernel[(grid,)](
         *args, num_work, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],

@@ -45,6 +45,10 @@ in the (at most one) block per tile that crosses the sequence end are zeroed in 
 before the PV wgmma, so uninitialised padding (NaN/Inf) cannot leak into ``0 * v``. Q rows past
 ``len_q`` only produce output rows that are never stored.
 
+`varlen_fwd_gluon_ws_kernel` (end of this module) is the warp-specialised variant of the same
+contract: a TMA producer warp and one partition per consumer warp group, synchronised only by
+mbarriers (see the comment above `_work_item`).
+
 The mask helpers below are the Gluon twins of `packattn.kernels.varlen_common.aligned_offset` /
 `key_range` (same formulas, see `packattn.mask`); the softmax is the base-2 online softmax of
 `varlen_common.online_softmax_step` (unmasked blocks: ``m = max(m, rowmax(S) * c)``,
@@ -578,17 +582,28 @@ def varlen_fwd_gluon_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
 
-    consumer_args = (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
-                     stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                     chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty)
-    producer = (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar,
-                               q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER))
-    consumer0 = (_ws_consumer, consumer_args + (0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                                TOP_LEFT, DIRECT_STORE))
     if NUM_CONSUMERS == 2:
-        consumer1 = (_ws_consumer_worker, consumer_args + (HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                                           TOP_LEFT, DIRECT_STORE))
-        gl.warp_specialize([consumer0, consumer1, producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
+                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                                   stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
+                                   qk_scale_log2, window_left, window_right, chunk_size, num_work, q_smem, k_bufs,
+                                   v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([consumer0, producer], [1], [PRODUCER_REGS])
+        gl.warp_specialize([
+            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
+                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+        ], [1], [PRODUCER_REGS])
