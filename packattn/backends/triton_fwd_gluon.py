@@ -92,9 +92,11 @@ def parse_config(text: str) -> GluonConfig:
 
 
 # Shared memory at d = 128, BLOCK_N 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227
-# (one CTA per SM; 221-231 registers per thread, no spills). d = 64 has room for a fourth slot. Not timed yet:
-# benchmarks/ab_gluon_fwd.py compares these with the alternatives in ALTERNATIVES.
-CONFIGS = {64: GluonConfig(128, 128, 4), 128: GluonConfig(128, 128, 3)}
+# (one CTA per SM, no spills); d = 64 has room for a fourth slot. Measured on an H200 (results/2026-11-22/
+# ab_gluon_fwd_ws_h200.txt, d = 128, no_grad forward): warp-specialised + persistent + direct store is the best
+# or within 1% of it on every workload: W1 408 TF/s (plain 128x128: 380), W2 478 (404), W4 505 (419), W8 227
+# (227). d = 64 takes the same scheme, correctness-checked there but not timed.
+CONFIGS = {64: GluonConfig(128, 128, 4, 8, True, True, True), 128: GluonConfig(128, 128, 3, 8, True, True, True)}
 # Other configurations that compile cleanly for sm_90a without spills (scripts/check_gluon_compile.py
 # --config ...), for A/B runs: at d = 128, (128, 64, 4 stages) needs 160 KB / ~165-180 registers;
 # (64, 64, 3 stages, 4 warps) needs 112 KB / ~160 registers, so two CTAs share an SM and one CTA's
@@ -121,10 +123,9 @@ def ab_variants(head_dim: int) -> list[GluonConfig]:
 ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 
 
-# Long sequences (some sequence with >= triton_varlen.LONG_SEQLEN queries): two CTAs per SM measured
-# best on W4 (one 32k document, chunks of 8192): 2.492 ms vs 2.619 for CONFIGS (results/2026-11-22/
-# ab_gluon_fwd_h200.txt); on W1/W8 (shorter documents) CONFIGS is best.
-LONG_CONFIGS = {64: GluonConfig(64, 64, 3, 4), 128: GluonConfig(64, 64, 3, 4)}
+# Long sequences (some sequence with >= triton_varlen.LONG_SEQLEN queries): the same configs are best on W4
+# (one 32k document, chunks of 8192: 2.179 ms vs 2.597 for the two-CTAs-per-SM 64x64 ws variant).
+LONG_CONFIGS = CONFIGS
 
 
 def config_for(head_dim: int, long_seqs: bool = False) -> GluonConfig:
