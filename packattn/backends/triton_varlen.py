@@ -276,6 +276,12 @@ def varlen_fwd(
     return out, lse
 
 
+# Batches of short sequences keep the Triton forward: its launch costs less host time (0.11 vs 0.25 ms
+# per call without grad on the H200 host), which decides a ~0.3 ms forward such as W8's (64 x 512 tokens)
+# when calls are issued back to back (results/2026-11-22/probe_w8_gluon_h200.txt).
+GLUON_MIN_SEQLEN = 1024
+
+
 def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`) runs instead of the Triton one
     where it can (sm_90, fp16/bf16, head dim 64/128): measured 1.00-1.13x faster on W1/W2/W4/W8 on
@@ -452,7 +458,7 @@ class TritonVarlenBackend(TritonBackend):
             q, scale = -q, -scale
         head_dim = q.shape[-1]
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
-        gluon = use_gluon_fwd(q, k, v)
+        gluon = seqs.max_seqlen_q >= GLUON_MIN_SEQLEN and use_gluon_fwd(q, k, v)
         if gluon:
             from packattn.backends.triton_fwd_gluon import config_for
 
