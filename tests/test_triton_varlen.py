@@ -348,12 +348,12 @@ def test_custom_ops_opcheck():
     fwd, dkdv = (triton_varlen.launch_config(name, 32, q.dtype, q.device) for name in ("fwd", "dkdv"))
     q_tiles = triton_varlen.build_tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     key_tiles = triton_varlen.build_tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
-    args = (q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
-            q_tiles, q_tiles, key_tiles, 0.2, -1, 0, 0, False, False, False)
+    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, q_tiles, q_tiles, key_tiles]
+    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0])
     torch.library.opcheck(torch.ops.packattn.varlen_fwd.default, args)
     out, lse = torch.ops.packattn.varlen_fwd(*args)
     torch.library.opcheck(torch.ops.packattn.varlen_bwd.default,
-                          (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *args[3:7],
+                          (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *tables[:4],
                            q_tiles, key_tiles, 0.2, -1, 0, 0, False, False, False),
                           test_utils=("test_schema", "test_faketensor"))
 

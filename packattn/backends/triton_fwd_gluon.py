@@ -143,10 +143,16 @@ gluon_config = config_for
 
 def smem_layout(block: list[int], dtype: torch.dtype):
     """NVMMA shared layout of a TMA block (widest swizzle the row length allows)."""
+    return _smem_layout(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    # cached: building it costs ~17 us of host time, four times per launch (one per descriptor)
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,20 +245,26 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor, q_tiles: torch.Tensor,
               scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
               padded_q: bool, long_seqs: bool = False, config: GluonConfig | None = None,
-              max_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              max_programs: int | None = None, out: torch.Tensor | None = None,
+              lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the forward, as ``packattn::varlen_fwd``; ``q_tiles`` built with
     ``config_for(head_dim).block_m / .block_n`` (or ``config``'s, when given: it replaces
     `config_for`); ``scale >= 0`` (the backend flips q otherwise). ``max_programs`` (tests of
-    the persistent grid: many tiles per program on small problems) caps a persistent grid."""
+    the persistent grid: many tiles per program on small problems) caps a persistent grid.
+    ``out`` / ``lse``: preallocated outputs whose rows in no sequence already hold 0 / -inf (the
+    kernel writes only rows of sequences); allocated here (zero / -inf filled when ``padded_q``)
+    when not given."""
     from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel, varlen_fwd_gluon_ws_kernel
 
     q, k, v = (_as_tma_tensor(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     # rows in no sequence are never written by the kernel: they must start as zeros / -inf
-    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
-    lse = torch.full((heads_q, total_q), float("-inf"), device=q.device, dtype=torch.float32) if padded_q \
-        else torch.empty((heads_q, total_q), device=q.device, dtype=torch.float32)
+    if out is None:
+        out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
+    if lse is None:
+        lse = torch.full((heads_q, total_q), float("-inf"), device=q.device, dtype=torch.float32) if padded_q \
+            else torch.empty((heads_q, total_q), device=q.device, dtype=torch.float32)
     num_work = q_tiles.shape[0] * heads_q
     if num_work == 0 or total_q == 0:
         return out, lse

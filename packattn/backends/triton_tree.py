@@ -103,13 +103,14 @@ def tree_tables(tree, head_dim: int, dtype: torch.dtype, device: torch.device, n
 
 # ---------------------------------------------------------------- custom ops
 @torch.library.custom_op("packattn::tree_fwd", mutates_args=())
-def tree_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: torch.Tensor,
-    fwd_tiles: torch.Tensor, fwd_intervals: torch.Tensor, dq_tiles: torch.Tensor, dq_intervals: torch.Tensor,
-    dkdv_tiles: torch.Tensor, cu_rows: torch.Tensor, row0: torch.Tensor, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; the dq/dkdv tables and ``cu_rows``/``row0`` are carried for the backward."""
+def tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[torch.Tensor], scale: float,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``tables``: ``key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles,
+    cu_rows, row0`` (`tree_tables`; the dq/dkdv tables and ``cu_rows``/``row0`` are carried for the
+    backward). One list, not eight arguments: see `triton_varlen.FWD_TABLES`."""
     from packattn.kernels.tree import tree_fwd_kernel
+
+    key_end, fwd_tiles, fwd_intervals = tables[:3]
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total, heads_q, head_dim = q.shape
@@ -167,7 +168,8 @@ def _tree_bwd_fake(dout, dlse, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_end, _fwd_tiles, _fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0, scale = inputs
+    q, k, v, tables, scale = inputs
+    key_end, _fwd_tiles, _fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0 = tables
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0)
     ctx.scale = scale
@@ -180,7 +182,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = tree_bwd(dout, dlse, q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0,
                           ctx.scale)
-    return (dq, dk, dv) + (None,) * 9
+    return dq, dk, dv, [None] * 8, None  # the structure of the inputs (q, k, v, tables, scale)
 
 
 tree_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -211,6 +213,6 @@ class TritonTreeBackend(TritonBackend):
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, (cu_rows, row0) = tree_tables(
             tree, q.shape[-1], q.dtype, q.device, need_grad)
-        out, lse = torch.ops.packattn.tree_fwd(q, k, v, key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals,
-                                               dkdv_tiles, cu_rows, row0, scale)
+        out, lse = torch.ops.packattn.tree_fwd(
+            q, k, v, [key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0], scale)
         return out, (lse if problem.return_lse else None)

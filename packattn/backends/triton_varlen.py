@@ -238,32 +238,41 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# The forward carries its per-batch tables in one list and its integer options in another: the
+# autograd wrapper of a custom op re-reads the schema once per argument on every call
+# (torch._library.utils.fill_defaults), a cost that grows with the square of the argument count
+# (~0.2 ms of host time per call with 21 arguments).
+FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "q_tiles", "dq_tiles", "dkdv_tiles")
+FWD_OPTIONS = ("window_left", "window_right", "chunk_size", "top_left", "padded_q", "padded_kv", "long_seqs", "gluon")
+
+
 @torch.library.custom_op("packattn::varlen_fwd", mutates_args=())
 def varlen_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
-    q_tiles: torch.Tensor, dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
-    scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-    padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
-    long_seqs: bool = False, gluon: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[torch.Tensor],
+    pad_rows_q: torch.Tensor | None, pad_rows_kv: torch.Tensor | None, scale: float, options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; ``dq_tiles``/``dkdv_tiles`` (and ``pad_rows_kv``) are only carried for the
-    backward. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
+    """``(out, lse)``. ``tables``: the tensors named in `FWD_TABLES` (``dq_tiles``/``dkdv_tiles``, like
+    ``pad_rows_kv``, only carried for the backward); ``options``: the integers named in
+    `FWD_OPTIONS`. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
     ``long_seqs``, ``gluon``: the forward kernel and config that ``q_tiles`` was built for (the Gluon
     forward when ``gluon``, see `use_gluon_fwd`)."""
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles = tables[:5]
+    window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon = options
+    top_left, padded_q, long_seqs, gluon = bool(top_left), bool(padded_q), bool(long_seqs), bool(gluon)
+
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
-    if gluon:  # TODO: pass preallocated out/lse (padding rows filled only) once gluon_fwd takes them
+    # rows in no sequence are never written by the kernels: they must start as zeros / -inf
+    out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
+    lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
+    if gluon:
         from packattn.backends.triton_fwd_gluon import gluon_fwd
 
         return gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles, scale,
-                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs)
-    # rows in no sequence are never written by the kernel: they must start as zeros / -inf
-    out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
-    lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
+                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs, out=out, lse=lse)
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -405,11 +414,12 @@ def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, *options) = inputs
+    q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options = inputs
+    cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles = tables
     out, lse = output
-    options, pad_rows = options[:7], (list(options[7:9]) + [None, None])[:2]  # the rest: forward-only
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, *pad_rows)
-    ctx.options = options  # scale, window_left, window_right, chunk_size, top_left, padded_q, padded_kv
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv)
+    window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
+    ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
@@ -419,7 +429,8 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
                             dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
-    return (dq, dk, dv) + (None,) * 18
+    # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
+    return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -474,11 +485,11 @@ class TritonVarlenBackend(TritonBackend):
             dq_tiles = dkdv_tiles = q_tiles[:0]
         rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q
         rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
+        padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
         out, lse = torch.ops.packattn.varlen_fwd(
-            q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles,
-            scale, mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left",
-            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
-            seqs.padding_rows("q") if seqs.cu_seqlens_q_padded is not None else None,
-            seqs.padding_rows("kv") if seqs.cu_seqlens_kv_padded is not None else None, long_seqs, gluon,
+            q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
+            seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None, scale,
+            [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
+             gluon],
         )
         return out, (lse if problem.return_lse else None)
