@@ -271,6 +271,5 @@ def test_plan_errors():
         cp.plan(seqs, world=2, rank=0, balance="random")
     with pytest.raises(ValueError, match="self-attention"):
         cp.plan(Varlen.from_lengths([4, 5], [2, 2]), world=2, rank=0)
-    tree = packattn.Tree.__new__(packattn.Tree)
-    with pytest.raises(NotImplementedError, match="Tree"):
-        cp.plan(tree, world=2, rank=0)
+    with pytest.raises(TypeError, match="Varlen or a packattn.Tree"):
+        cp.plan([4, 5], world=2, rank=0)

@@ -44,6 +44,7 @@ def attention(
             raise ValueError(f"{name} must be a 3-D (rows, heads, dim) tensor, got {getattr(t, 'shape', t)!r}")
         if t.shape[0] != plan.num_local:
             raise ValueError(f"{name} has {t.shape[0]} rows but this rank holds {plan.num_local} (plan.local_rows)")
-    executor = importlib.import_module(EXECUTORS[plan.strategy])
+    # a Tree plan keeps whole root subtrees on each rank: nothing to communicate (packattn.cp.tree)
+    executor = importlib.import_module("packattn.cp.tree" if plan.is_tree else EXECUTORS[plan.strategy])
     return executor.attention(q, k, v, plan, causal=causal, window=window, chunk_size=chunk_size, scale=scale,
                               backend=backend, return_lse=return_lse, deterministic=deterministic)

@@ -81,6 +81,13 @@ class CPPlan:
     inner_group: object = field(default=None, repr=False)
     inner_world: int = 1
     inner_rank: int = 0
+    # a Tree descriptor only (see packattn.cp.tree): the sub-forest of this rank's whole root subtrees
+    # (None when the rank holds no root)
+    local_tree: object = field(default=None, repr=False)
+
+    @property
+    def is_tree(self) -> bool:
+        return type(self.descriptor).__name__ == "Tree"
 
     @property
     def num_local(self) -> int:
@@ -124,6 +131,9 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
          outer: str | None = None) -> CPPlan:
     """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
 
+    ``descriptor``: a `Varlen`, or a `packattn.Tree` (each root's subtree whole on one rank, nothing
+    communicated, any strategy; see `packattn.cp.tree`).
+
     ``group``: a process group, a 1-D ``DeviceMesh`` (its group), or for ``strategy="a2a+p2p"`` a
     2-D ``DeviceMesh`` (outer dimension: all-gather / P2P of K/V; inner: all-to-all over heads;
     see `packattn.cp.hybrid`). ``outer`` names the a2a+p2p outer executor ("allgather" or "p2p";
@@ -132,15 +142,18 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
     to inspect the sharding; for a2a+p2p ``world=(outer, inner)`` and ``rank = outer_rank * inner +
     inner_rank``); the executors still need the group.
     """
-    if not isinstance(descriptor, Varlen):
-        if type(descriptor).__name__ == "Tree":
-            raise NotImplementedError("context parallelism over Tree descriptors is not implemented (cp v1: Varlen only)")
-        raise TypeError(f"plan needs a packattn.Varlen, got {type(descriptor).__name__}")
     strategy = ALIASES.get(strategy, strategy)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    if type(descriptor).__name__ == "Tree":
+        from packattn.cp.tree import build_tree_plan  # local import: tree imports this module
+
+        world, rank, group = _world_and_rank(group, world, rank)
+        return build_tree_plan(descriptor, group, world, rank, strategy, balance)
+    if not isinstance(descriptor, Varlen):
+        raise TypeError(f"plan needs a packattn.Varlen or a packattn.Tree, got {type(descriptor).__name__}")
     if not descriptor.is_self:
         raise ValueError("a CP plan needs a self-attention descriptor (lengths_kv=None); got separate q and kv")
     if descriptor.lengths_q is None or descriptor.host_starts_q is None:
@@ -157,51 +170,63 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
         return build_plan(descriptor, mesh, balance=balance, world=world, rank=rank, outer=outer)
     if outer is not None:
         raise ValueError(f"outer= names the outer executor of strategy 'a2a+p2p'; got it with strategy={strategy!r}")
-    if world is None:
-        world = dist.get_world_size(group)
-    if rank is None:
-        rank = dist.get_rank(group)
-    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
-        raise ValueError(f"bad world/rank: {world}/{rank}")
+    world, rank, group = _world_and_rank(group, world, rank)
 
-    total = descriptor.total_q
     lengths = torch.tensor(descriptor.lengths_q, dtype=torch.int64)
     starts = torch.tensor(descriptor.host_starts_q, dtype=torch.int64)
 
     # owner of every global row
     seq, pos = (t.cpu() for t in descriptor.row_map_q())
     owner = _row_owner(seq, pos, lengths, world, balance)
-
-    # local index of every row on its owner, and its row in the padded all-gather layout
-    order = torch.sort(owner, stable=True).indices
-    counts = torch.bincount(owner, minlength=world)
-    offsets = torch.cumsum(counts, 0) - counts
-    local_pos = torch.empty_like(owner)
-    local_pos[order] = torch.arange(total) - offsets[owner[order]]
-    max_local = int(counts.max()) if total else 0
-    flat_pos = owner * max_local + local_pos
-
-    local_rows = order[offsets[rank]: offsets[rank] + counts[rank]]
+    flat_pos, max_local, local_rows = rows_layout(owner, world, rank)
     position_ids = pos[local_rows]
     pieces = _pieces(seq[local_rows], pos[local_rows], local_rows, lengths, starts)
     return CPPlan(descriptor, group, world, rank, strategy, balance, owner, flat_pos, max_local,
                   local_rows, position_ids, pieces)
 
 
-def document_ranks(lengths: torch.Tensor, world: int) -> torch.Tensor:
+def _world_and_rank(group, world, rank):
+    """``(world, rank, group)``: the 1-D group's (a 1-D DeviceMesh gives its group) unless overridden."""
+    if type(group).__name__ == "DeviceMesh" and group.ndim == 1:
+        group = group.get_group()
+    if world is None:
+        world = dist.get_world_size(group)
+    if rank is None:
+        rank = dist.get_rank(group)
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"bad world/rank: {world}/{rank}")
+    return world, rank, group
+
+
+def rows_layout(owner: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """From the owner of every global row: each row's position in the padded all-gather layout
+    (``world * max_local`` rows, rank-major), ``max_local``, and this rank's global rows (ascending)."""
+    total = owner.numel()
+    order = torch.sort(owner, stable=True).indices
+    counts = torch.bincount(owner, minlength=world)
+    offsets = torch.cumsum(counts, 0) - counts
+    local_pos = torch.empty_like(owner)
+    local_pos[order] = torch.arange(total) - offsets[owner[order]]
+    max_local = int(counts.max()) if total else 0
+    return owner * max_local + local_pos, max_local, order[offsets[rank]: offsets[rank] + counts[rank]]
+
+
+def document_ranks(lengths: torch.Tensor, world: int, work: torch.Tensor | None = None,
+                   cut_long: bool = True) -> torch.Tensor:
     """``balance="documents"``: the rank holding each whole document, or -1 for a document cut
     zigzag over all ranks.
 
     A document longer than half of a rank's fair share of tokens is cut (zigzag balances its causal
-    work exactly). The others stay whole: longest first, each goes to the rank whose larger relative
-    load -- tokens over the fair share of tokens, causal work ``L (L + 1) / 2`` over the fair share
-    of work -- ends up smallest (ties: the lowest rank). Whole documents need no communication."""
+    work exactly; ``cut_long=False`` keeps it whole too). The others stay whole: longest first, each goes to the rank whose larger relative
+    load -- tokens over the fair share of tokens, work (default: the causal ``L (L + 1) / 2``) over
+    the fair share of work -- ends up smallest (ties: the lowest rank). Whole documents need no
+    communication."""
     lens = [int(x) for x in lengths.tolist()]
-    work = [x * (x + 1) // 2 for x in lens]
+    work = [x * (x + 1) // 2 for x in lens] if work is None else [int(x) for x in work.tolist()]
     fair_tokens = max(sum(lens) / world, 1.0)
     fair_work = max(sum(work) / world, 1.0)
     ranks = [-1] * len(lens)
-    cut = [i for i, x in enumerate(lens) if x > fair_tokens / 2]
+    cut = [i for i, x in enumerate(lens) if x > fair_tokens / 2] if cut_long else []
     tokens = [sum(lens[i] for i in cut) / world] * world
     loads = [sum(work[i] for i in cut) / world] * world
     for i in sorted(set(range(len(lens))) - set(cut), key=lambda i: (-lens[i], i)):
