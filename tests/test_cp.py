@@ -13,13 +13,12 @@ import itertools
 import json
 import math
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import packattn
+from cp_harness import spawn
 from packattn import cp
 from packattn.varlen import Varlen
 
@@ -162,30 +161,12 @@ def _worker(rank, world, init_file, out_dir, case_names):
 _RESULTS: dict[int, list[dict]] = {}
 
 
-def _spawn(world, tmp_dir):
-    init_file = os.path.join(tmp_dir, "init")
-    ctx = mp.spawn(_worker, args=(world, init_file, tmp_dir, list(CASES)), nprocs=world, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"CP workers (world={world}) did not finish in {SPAWN_TIMEOUT_S} s (hang?)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    out = []
-    for r in range(world):
-        with open(os.path.join(tmp_dir, f"rank{r}.json")) as f:
-            out.append(json.load(f))
-    return out
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory):
     world = request.param
     if world not in _RESULTS:
-        _RESULTS[world] = _spawn(world, str(tmp_path_factory.mktemp(f"cp_world{world}")))
+        _RESULTS[world] = spawn(_worker, world, str(tmp_path_factory.mktemp(f"cp_world{world}")), (list(CASES),),
+                                 SPAWN_TIMEOUT_S)
     return world, _RESULTS[world]
 
 
