@@ -6,8 +6,9 @@
 1. Small nasty cases (lengths [1, 0, 17, 37, 100, 129, 300], GQA 4/2 and 4/1, causal both
    alignments, no mask, windows, chunks, cross lengths, padding with NaN in the padding rows of
    q / k / v / dout, d 64/128, fp16/bf16): the reference is ``packattn.attention(..., backend="triton")``
-   + autograd; the Gluon kernels then run on the same out / lse / dout. Reported: max |diff| / max |ref|
-   for dq, dk, dv. Both sides round P and dS to 16 bits before their products but sum in different
+   + autograd; the Gluon kernels then run on the same out / lse / dout, with the launchers' defaults and
+   then with each dK/dV config of ``DKDV_ALTERNATIVES`` (the warp-specialised ",ws" ones included).
+   Reported: max |diff| / max |ref| for dq, dk, dv. Both sides round P and dS to 16 bits before their products but sum in different
    orders (and tiles), so they differ by a few ulps of the inputs' dtype (tolerances in ``TOL``).
 2. The workloads (bf16, d 128): dq / dk / dv of the Gluon backward checked against the Triton
    backward, then the median time (``triton.testing.do_bench``) of the dK/dV pass and of the dQ pass
@@ -153,13 +154,25 @@ def make_nasty(case) -> Problem:
     return Problem(seqs, q, k, v, dout, options)
 
 
-def run_nasty(case) -> tuple[str, list[float], bool]:
+def run_nasty(case) -> list[tuple[str, list[float], bool]]:
+    """The launchers' default configs, then each dK/dV alternative of ``DKDV_ALTERNATIVES`` (the
+    warp-specialised ",ws" ones included) on the same problem: one ``(name, diffs, ok)`` per config."""
     problem = make_nasty(case)
     ref = problem.triton_grads()
-    got = problem.gluon_grads()
-    torch.cuda.synchronize()
-    diffs = [rel_diff(g, r) for g, r in zip(got, ref)]
-    return case[0], diffs, max(diffs) <= TOL[problem.q.dtype]
+    tol = TOL[problem.q.dtype]
+    results = []
+    for cfg in [None] + tb.DKDV_ALTERNATIVES.get(problem.q.shape[-1], []):
+        name = case[0] if cfg is None else f"{case[0]} [dkdv {_label(cfg)}]"
+        try:
+            got = _with_env(tb.ENV_DKDV, cfg, problem.gluon_grads)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 -- report and go on
+            print(f"  ERR  {name:44s} {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results.append((name, [float("nan")] * 3, False))
+            continue
+        diffs = [rel_diff(g, r) for g, r in zip(got, ref)]
+        results.append((name, diffs, max(diffs) <= tol))
+    return results
 
 
 # ---------------------------------------------------------------- 2. workloads: separate passes, timed
@@ -211,7 +224,7 @@ def _with_env(name: str, cfg: tb.GluonBwdConfig | None, fn):
     """Run ``fn()`` with ``$name`` set to ``cfg`` (None: the launcher's table)."""
     old = os.environ.pop(name, None)
     if cfg is not None:
-        os.environ[name] = f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}"
+        os.environ[name] = cfg.label()  # "block_m,block_n,stages,num_warps[,ws]"
     try:
         return fn()
     finally:
@@ -221,7 +234,9 @@ def _with_env(name: str, cfg: tb.GluonBwdConfig | None, fn):
 
 
 def _label(cfg) -> str:
-    return "default" if cfg is None else f"{cfg.block_m}x{cfg.block_n}/{cfg.stages}s/{cfg.num_warps}w"
+    if cfg is None:
+        return "default"
+    return f"{cfg.block_m}x{cfg.block_n}/{cfg.stages}s/{cfg.num_warps}w{'/ws' if cfg.warp_specialize else ''}"
 
 
 def run_pass(name: str, kind: str, p: Problem, refs: list, triton_fn, make_gluon, env: str, configs,
@@ -293,10 +308,10 @@ def main(names: list[str]) -> int:
     print("\n== nasty cases: max |diff| / max |ref| vs the Triton backward ==")
     for case in nasty_cases():
         try:
-            name, diffs, ok = run_nasty(case)
-            failures += not ok
-            print(f"  {'ok  ' if ok else 'FAIL'} {name:44s} dq {diffs[0]:.2e}  dk {diffs[1]:.2e}  dv {diffs[2]:.2e}",
-                  flush=True)
+            for name, diffs, ok in run_nasty(case):
+                failures += not ok
+                print(f"  {'ok  ' if ok else 'FAIL'} {name:44s} dq {diffs[0]:.2e}  dk {diffs[1]:.2e}  "
+                      f"dv {diffs[2]:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001 -- report and go on
             failures += 1
             print(f"  ERR  {case[0]:44s} {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -10,6 +10,7 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
 
     python scripts/check_gluon_bwd_compile.py [--kernels dkdv dq] [--head-dims 64 128] [--dtypes bf16 fp16]
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,64,3,4 --masks R   # another config
+    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,4,8,ws         # warp-specialised
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
 """
 
@@ -35,6 +36,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
 from packattn.backends.triton_fwd_gluon import smem_layout  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
+from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_gluon_compile import sass_register_regions  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
@@ -95,6 +100,14 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       num_warps=cfg.num_warps)
+    options = {"num_warps": cfg.num_warps, "num_stages": 1}
+    if cfg.warp_specialize:  # as `gluon_launch_dkdv` launches it
+        if kernel != "dkdv":
+            raise ValueError("only the dK/dV kernel has a warp-specialised variant")
+        fn = varlen_bwd_dkdv_gluon_ws_kernel
+        res = tb.dkdv_ws_resources(cfg, head_dim)
+        constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
+        options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -115,8 +128,7 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
             signature[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": 1})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return cfg, compiled
 
 
@@ -136,15 +148,19 @@ def _scf_for_bodies(ttgir: str) -> list[str]:
     return bodies
 
 
-def overlap_proof(compiled) -> tuple[bool, str]:
+def overlap_proof(compiled, warp_specialized: bool = False) -> tuple[bool, str]:
     """Are wgmma's left in flight across P and dS? The TTGIR main loop must wait with pendings = 2
     (S done; dP and the previous block's dK / dQ in flight during P) and pendings = 1 (dV / dQ in
-    flight during dS); the PTX loop must hold ``wgmma.wait_group 2`` and ``1`` beside wgmma and ex2."""
+    flight during dS); the PTX loop must hold ``wgmma.wait_group 2`` and ``1`` beside wgmma and ex2.
+    The warp-specialised dK/dV kernel (`varlen_bwd_gluon_ws`) issues dK within its step (no dS^T
+    carried across steps: no room in 240 registers), so it only needs the ``1`` waits (dP^T in
+    flight during P^T, dV during dS^T)."""
+    waits = (1, ) if warp_specialized else (2, 1)
     loops = [b for b in _scf_for_bodies(compiled.asm["ttgir"]) if "ttng.warp_group_dot " in b]
-    ir_ok = any("pendings = 2" in b and "pendings = 1" in b for b in loops)
+    ir_ok = any(all(f"pendings = {n}" in b for n in waits) for b in loops)
     ptx_loops = [b for b in _ptx_loops(compiled.asm["ptx"]) if "wgmma.mma_async" in b]
-    ptx_ok = any("wgmma.wait_group.sync.aligned 2;" in b and "wgmma.wait_group.sync.aligned 1;" in b
-                 and "ex2.approx" in b for b in ptx_loops)
+    ptx_ok = any(all(f"wgmma.wait_group.sync.aligned {n};" in b for n in waits) and "ex2.approx" in b
+                 for b in ptx_loops)
     counts = {}
     if ptx_loops:
         body = max(ptx_loops, key=len)
@@ -152,7 +168,8 @@ def overlap_proof(compiled) -> tuple[bool, str]:
                   **{f"wait{n}": body.count(f"wgmma.wait_group.sync.aligned {n};") for n in (2, 1, 0)},
                   "ex2": body.count("ex2.approx"), "bar.sync": body.count("bar.sync"),
                   "tma": body.count("cp.async.bulk.tensor")}
-    detail = (f"ttgir pendings=2 and 1 in loop: {ir_ok}; ptx wait_group 2 and 1 in loop with wgmma+ex2: {ptx_ok}; "
+    need = " and ".join(str(n) for n in waits)
+    detail = (f"ttgir pendings={need} in loop: {ir_ok}; ptx wait_group {need} in loop with wgmma+ex2: {ptx_ok}; "
               f"main loop {counts}")
     return ir_ok and ptx_ok, detail
 
@@ -164,10 +181,11 @@ def main() -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(tb.HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
-                        help="block_m,block_n,stages,num_warps instead of the launcher's table, e.g. 64,64,3,4")
+                        help="block_m,block_n,stages,num_warps[,ws] instead of the launcher's table, e.g. 64,64,3,4 "
+                             "or 64,128,4,8,ws (warp-specialised dK/dV)")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     args = parser.parse_args()
-    config = tb.GluonBwdConfig(*(int(x) for x in args.config.split(","))) if args.config else None
+    config = tb.parse_config(args.config) if args.config else None
     failures = 0
     for kernel in args.kernels:
         for dtype_name in args.dtypes:
@@ -183,20 +201,29 @@ def main() -> int:
                         continue
                     shared = compiled.metadata.shared
                     usage, warnings = ptxas_report(compiled.asm["ptx"])
-                    ok, detail = overlap_proof(compiled)
+                    ok, detail = overlap_proof(compiled, cfg.warp_specialize)
                     spills = re.search(r"(\d+) bytes spill stores", usage)
-                    bad = shared > SHARED_LIMIT or not ok or bool(warnings) or (spills and int(spills.group(1)) > 0)
+                    # warp-specialised: (setmaxnreg budget, registers touched, SASS instructions) per partition
+                    regions = sass_register_regions(compiled.asm["cubin"]) if cfg.warp_specialize else []
+                    over = [r for r in regions if r[1] > r[0]]
+                    bad = (shared > SHARED_LIMIT or not ok or bool(warnings) or bool(over)
+                           or (spills and int(spills.group(1)) > 0))
                     failures += bool(bad)
                     print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
-                          f"warps={cfg.num_warps} shared={shared}"
+                          f"warps={cfg.num_warps}{' ws' if cfg.warp_specialize else ''} shared={shared}"
                           f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}", flush=True)
                     print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
+                    if regions:
+                        print("    partitions (setmaxnreg budget: registers used / SASS instructions): "
+                              + "; ".join(f"{lim}: {used} / {n}" for lim, used, n in regions)
+                              + (" OVER BUDGET" if over else ""), flush=True)
                     for w in warnings:
                         print(f"    ptxas: {w}", flush=True)
                     if args.dump:
                         os.makedirs(args.dump, exist_ok=True)
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask or 'none'}_"
-                                                       f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}")
+                                                       f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
+                                                       f"{'_ws' if cfg.warp_specialize else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:
                                 f.write(compiled.asm[ext])

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _as_tma_tensor, _capability, _descriptor,
+from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, MIN_CONSUMER_REGS, PRODUCER_REGS, SM_REGISTERS,
+                                                SM_SHARED, _as_tma_tensor, _capability, _descriptor,
                                                 gluon_fwd_supported)
 
 
@@ -64,7 +65,16 @@ class GluonBwdConfig:
     block_m: int  # queries per block (dK/dV: per ring step; dQ: per tile, == 16 * num_warps)
     block_n: int  # keys per block (dK/dV: per tile, == 16 * num_warps; dQ: per ring step)
     stages: int  # ring slots; >= 3 for any prefetch (the slot of step j-1 is refilled at the end of step j)
-    num_warps: int = 8
+    num_warps: int = 8  # (warp_specialize: the consumer warps; the launch adds the producer warp)
+    # dK/dV only: `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`, a 1-warp TMA producer and two
+    # consumer warp groups of 64 keys (block_n 128, num_warps 8) with ~240 registers each (setmaxnreg),
+    # ready / empty mbarriers, no CTA barrier in the loop
+    warp_specialize: bool = False
+
+    def label(self) -> str:
+        """The ``$PACKATTN_GLUON_DKDV_CONFIG`` string of this configuration (`parse_config` reads it back)."""
+        return ",".join([str(self.block_m), str(self.block_n), str(self.stages), str(self.num_warps)]
+                        + (["ws"] if self.warp_specialize else []))
 
 
 # Checked for sm_90a without a GPU (scripts/check_gluon_bwd_compile.py: shared memory, no spills, no
@@ -79,17 +89,33 @@ DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
 # Spill-free alternatives for A/B runs. (.., 64, .., 4 warps) dK/dV tiles: one warp group, <= 98 KB of
 # shared memory and <= 256 registers, so two CTAs share an SM and drift out of phase (one's
 # elementwise work hides the other's wgmma) -- the Triton dK/dV kernel's best shape (32 x 64, 4 warps).
-DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)], 128: [GluonBwdConfig(32, 64, 4, 4)]}
+# Warp-specialised dK/dV (",ws", `varlen_bwd_gluon_ws`; not timed yet): 64-query blocks at d = 128 fit the
+# consumers' 240 registers without spills (scripts/check_gluon_bwd_compile.py --kernels dkdv --config
+# 64,128,4,8,ws: every mask, bf16 / fp16, d 64 / 128; ~238 registers per consumer at d = 128, ~170 at d = 64);
+# d = 128 takes 64 KB (K, V) + 32 KB per stage of shared memory (195 KB at 4 stages), d = 64 half of it.
+DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True)],
+                        128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True)]}
+DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[64],
+                     128: [GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
 DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)],
                    128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]}
-ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps" overrides DKDV_CONFIGS (A/B runs)
-ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # same for DQ_CONFIGS
+ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DKDV_CONFIGS (A/B runs)
+ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # "block_m,block_n,stages,num_warps" overrides DQ_CONFIGS
+
+
+def parse_config(text: str) -> GluonBwdConfig:
+    """``"block_m,block_n,stages,num_warps[,ws]"`` (``ws``: warp_specialize, dK/dV only), e.g.
+    ``"32,128,4,8"``, ``"64,128,4,8,ws"``; the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` / ``_DQ_CONFIG``."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "ws"):
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws]")
+    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) == 5)
 
 
 def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
     override = os.environ.get(env)
     if override:
-        return GluonBwdConfig(*(int(x) for x in override.split(",")))
+        return parse_config(override)
     return table[head_dim]
 
 
@@ -102,7 +128,10 @@ def dkdv_config(head_dim: int) -> GluonBwdConfig:
 def dq_config(head_dim: int) -> GluonBwdConfig:
     """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides); its tile table is
     ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
-    return _config(ENV_DQ, DQ_CONFIGS, head_dim)
+    cfg = _config(ENV_DQ, DQ_CONFIGS, head_dim)
+    if cfg.warp_specialize:
+        raise ValueError(f"{ENV_DQ}: the dQ kernel has no warp-specialised variant")
+    return cfg
 
 
 def gluon_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -127,6 +156,34 @@ def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
             and gluon_fwd_supported(q, k, v) and gluon_fwd_supported(dout, k))
 
 
+def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
+    """Shared memory of one warp-specialised dK/dV CTA: K and V of the tile, the (Q, dO) ring, lse /
+    delta per ring slot, the consumers' query-position tables, the mbarriers."""
+    return ((2 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * head_dim * element_size
+            + 4 * (2 * cfg.stages * cfg.block_m + 2 * cfg.block_m) + 8 * (2 + 2 * cfg.stages))
+
+
+def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
+    """Register split of the warp-specialised dK/dV kernel, as `triton_fwd_gluon.ws_resources` does
+    it for the forward (same SM constants, this kernel's shared memory): ``ctas_per_sm``, ``warps``
+    (consumers + the producer warp, padded to warp groups), ``maxnreg`` (launch bound),
+    ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the partitions). At d = 128, block_n 128:
+    one CTA per SM, 12 warps, maxnreg 168, consumers 240, producer 24."""
+    if not cfg.warp_specialize or cfg.block_n != 128 or cfg.num_warps != 8:
+        raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_n 128, num_warps 8, ws")
+    warps = 4 * ((cfg.num_warps + 1 + 3) // 4)
+    consumers = cfg.num_warps // 4
+    best = None
+    for ctas in range(1, max(1, SM_SHARED // (dkdv_shared_bytes(cfg, head_dim) + 1024)) + 1):
+        maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
+        idle = warps // 4 - consumers  # warp groups other than the consumers (the producer's)
+        consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * idle) // (4 * consumers)) // 8 * 8
+        if best is None or consumer_regs >= MIN_CONSUMER_REGS:
+            best = {"ctas_per_sm": ctas, "warps": warps, "maxnreg": maxnreg, "consumer_regs": consumer_regs,
+                    "producer_regs": PRODUCER_REGS}
+    return best
+
+
 def _mask_constexprs(mask_args, top_left: bool) -> dict:
     window_left, window_right, chunk_size = mask_args
     return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
@@ -134,7 +191,8 @@ def _mask_constexprs(mask_args, top_left: bool) -> dict:
 
 def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
                       top_left: bool) -> None:
-    """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`), one program per (key tile, kv head). ``tiles``
+    """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`, or `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`
+    when the config says ``warp_specialize``), one program per (key tile, kv head). ``tiles``
     built with ``dkdv_config(d).block_n`` keys per tile and ``.block_m`` as the query step; ``lse`` /
     ``delta`` float32 ``(heads_q, rows)`` with row stride 1; ``dk`` / ``dv`` written on the rows of
     sequences only (the caller fills padding rows)."""
@@ -151,14 +209,21 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
     q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
     lse, delta = lse.contiguous(), delta.contiguous()
     cfg = dkdv_config(q.shape[-1])
-    varlen_bwd_dkdv_gluon_kernel[grid](
-        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args,
-        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        num_warps=cfg.num_warps, **_mask_constexprs(mask_args, top_left),
-    )
+    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+            _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args)
+    blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  **_mask_constexprs(mask_args, top_left))
+    if cfg.warp_specialize:
+        from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel
+
+        res = dkdv_ws_resources(cfg, q.shape[-1])
+        varlen_bwd_dkdv_gluon_ws_kernel[grid](*args, **blocks, CONSUMER_REGS=res["consumer_regs"],
+                                              PRODUCER_REGS=res["producer_regs"], num_warps=4,
+                                              maxnreg=res["maxnreg"])
+        return
+    varlen_bwd_dkdv_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool) -> None:

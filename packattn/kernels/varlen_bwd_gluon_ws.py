@@ -1,0 +1,359 @@
+"""Warp-specialised dK/dV backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
+
+Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dkdv_gluon_kernel` (read its module
+docstring): one program per (key tile of ``BLOCK_N = 128`` keys, kv head), tile-table rows
+``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` built by ``tile_table(seqs, mask, True, 128,
+BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
+``m_lo + i * BLOCK_M`` of ``[m_lo, m_hi)``; the element mask only outside the fully visible band
+``[mid_lo, mid_hi)``; Q / dO rows past ``len_q`` zeroed in shared memory before a wgmma reads them;
+dK (times ``scale``) and dV stored for rows inside the sequence only; no atomics (deterministic);
+keys no query sees get dK = dV = 0. Selected by ``GluonBwdConfig.warp_specialize``
+(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.backends.triton_bwd_gluon`.
+
+Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
+worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
+240 registers each, producer 24, `triton_bwd_gluon.dkdv_ws_resources`)::
+
+    producer (1 warp)                        consumer c in {0, 1} (4 warps each)
+    TMA K, V (128 rows) -> kv_bar            keys [64 c, 64 c + 64) of the tile: own K / V rows,
+    for it in 0 .. total-1:                  own dK / dV accumulators; wait kv_bar
+      wait empty[it % S] (parity ^ 1)        for it in 0 .. total-1: step(it)   (below)
+      cp.async lse, delta -> stats[it % S]   store dV, dK * scale (staged in its own V / K rows)
+      cp.async.mbarrier.arrive ready[it % S]
+      expect + TMA Q[it], dO[it] -> ready[it % S]
+
+``total = group_size * num_m_blocks``; step ``it`` is (query head ``it // num_m_blocks``, query block
+``it % num_m_blocks``) in all three partitions: every partition decodes the same tile-table row
+and walks the steps in the same order (counters, no divisions), so ring slot ``it % STAGES`` and
+parity ``(it // STAGES) & 1`` agree. ``ready[slot]`` (count 1) completes when the TMA bytes have
+landed and the producer's cp.async of lse / delta are done (``cp.async.mbarrier.arrive`` adds its
+own pending arrival). ``empty[slot]`` has count 2: both consumers read the same Q / dO / stats
+slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass at once.
+
+Step ``it`` of one consumer (it enters and leaves with no wgmma in flight)::
+
+    wait   ready[slot]; tail block only: zero rendezvous (below)
+    issue  S^T  = K Q^T                          (async)
+    issue  dP^T = V dO^T                         (async)
+    lse from stats[slot]; wait until 1 pending   (S^T done)
+    P^T = exp2(S^T c - lse log2e), masked off the band   (dP^T runs)
+    issue  dV += P^T dO                          (async, P^T a register A operand)
+    wait   until 1 pending                       (dP^T done; dV runs)
+    delta from stats[slot]; dS^T = P^T (dP^T - delta)     (dV runs)
+    issue  dK += dS^T Q                          (async)
+    wait   until 0 pending; arrive empty[slot]
+
+Unlike the non-warp-specialised kernel, dK[it] is not carried into step it+1 (under S^T[it+1] and
+P^T[it+1]): dS^T across the loop's back edge costs 16 more registers at the peak, and that variant
+spills ~220 B at 240 registers. Within a consumer the dK product is therefore exposed, but the two
+consumers are independent (no CTA barrier in the loop, only the ``empty`` slots and the tail
+rendezvous tie them), so they drift out of phase and one's wgmma fill the other's elementwise work.
+
+Register budget (d = 128, BLOCK_M = 64, per consumer thread): dK + dV 128, S^T and dP^T 32 each,
+P^T / dS^T operands 16 each, lse / delta 16 each while used. It fits 240 only because nothing else
+per-query is live across the loop: lse / delta come from shared memory (filled by the producer,
+so the consumers hold no per-element 64-bit addresses); the mask compares the block's query
+positions, loaded from a small shared table (``cols``; a ``gl.arange`` would be hoisted by LLVM
+and hold 16 registers for the whole loop), with two per-key bounds computed once
+(`_query_range_of_keys`); the epilogue decodes the tile row again instead of keeping its scalars.
+
+Tail blocks (``m_start + BLOCK_M > len_q``, at most one per query head, the same steps for both
+consumers): consumer 0 zeroes the slot's Q rows past ``len_q``, consumer 1 its dO rows
+(`varlen_fwd_gluon._zero_v_tail`: generic stores, ``fence.proxy.async``, a barrier over the
+partition), then both arrive on ``zero_bar`` (count 2) and wait for it, so neither issues a wgmma
+on the slot before both halves are zero. Both count the tail steps (``ntail``) and wait with parity
+``ntail & 1``; neither can arrive twice before the other has arrived once (each waits for the phase
+it arrived on), so one barrier serves every tail step, and the slot cannot be refilled before both
+consumers release it. lse / delta past ``len_q`` are not read and land as 0 (cp.async zero fill):
+those query columns then get finite P^T (1 in the unmasked band, 0 in masked blocks, whose mask
+includes ``q < len_q``) and dP^T = dS^T = 0, and their Q / dO rows are zero, so they add nothing.
+
+A tile with ``total == 0`` loads nothing and stores zeros.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
+from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
+
+WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
+
+
+@gluon.jit
+def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
+               BLOCK_M: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """Decode this program's (key tile, kv head), as `varlen_bwd_dkdv_gluon_kernel` does (heads vary
+    fastest). Every partition calls it, so all agree on ``total`` (0 for an unused row, ``seq < 0``).
+    ``OPAQUE_PID``: read the program id through inline asm that LLVM may not merge with an earlier
+    read, so that a second decode (the consumers' epilogue) recomputes everything instead of
+    keeping the first decode's values in registers across the main loop."""
+    if OPAQUE_PID:
+        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [num_heads_kv], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+    else:
+        pid = gl.program_id(0)
+    tile = pid // num_heads_kv
+    kv_head = pid % num_heads_kv
+    seq = gl.load(tiles + tile * 6)
+    seq_ok = gl.maximum(seq, 0)
+    k_start = gl.load(tiles + tile * 6 + 1)
+    m_lo = gl.load(tiles + tile * 6 + 2)
+    m_mid_lo = gl.load(tiles + tile * 6 + 3)
+    m_mid_hi = gl.load(tiles + tile * 6 + 4)
+    m_hi = gl.load(tiles + tile * 6 + 5)
+    len_q = gl.load(cu_seqlens_q + seq_ok + 1) - gl.load(cu_seqlens_q + seq_ok)
+    len_kv = gl.load(cu_seqlens_kv + seq_ok + 1) - gl.load(cu_seqlens_kv + seq_ok)
+    row0_q = gl.load(row_offsets_q + seq_ok)
+    row0_kv = gl.load(row_offsets_kv + seq_ok)
+    num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
+    total = gl.where(seq >= 0, group_size * num_m_blocks, 0)
+    return (seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q,
+            row0_kv)
+
+
+# ---------------------------------------------------------------- producer
+@gluon.jit
+def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLOCK_M: gl.constexpr):
+    """cp.async ``lse`` (``buf[:BLOCK_M]``) and ``delta`` (``buf[BLOCK_M:]``) of query head ``g`` of the
+    group, queries ``m_start ...`` (``lse_row`` / ``delta_row``: the group's first head, the sequence's
+    first row); positions past ``len_q`` are not read and land as 0 (harmless: their Q and dO rows
+    are zeroed before any product, see `_dkdv_ws_step`)."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the producer's one warp
+    off = g.to(gl.int64) * stride_lse_head + m_start
+    offs = gl.arange(0, BLOCK_M, layout=layout)
+    ok = offs < len_q - m_start
+    async_copy.async_copy_global_to_shared(buf.slice(0, BLOCK_M), lse_row + off + offs, mask=ok)
+    async_copy.async_copy_global_to_shared(buf.slice(BLOCK_M, BLOCK_M), delta_row + off + offs, mask=ok)
+
+
+@gluon.jit
+def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, k_smem, v_smem, q_bufs, do_bufs,
+                      stats, kv_bar, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """Load partition (one warp): K and V of the tile once, then for each of the ``total`` steps, into
+    ring slot ``it % STAGES`` once both consumers released the step ``it - STAGES`` there: lse and
+    delta of the step's queries (cp.async, tracked by ``ready`` through ``cp.async.mbarrier.arrive``,
+    which adds its own pending arrival), then Q and dO (TMA, ``expect`` bytes on ``ready``)."""
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
+                   BLOCK_M)
+    if total > 0:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+        first_head = kv_head * group_size
+        row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
+        lse_row = Lse + row_off
+        delta_row = Delta + row_off
+        m_end = m_lo + num_m_blocks * BLOCK_M
+        g = m_lo * 0  # query head of the group and first query of step it (no divisions in the loop)
+        m_start = m_lo
+        for it in range(0, total):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, stats.index(slot), BLOCK_M)
+            async_copy.mbarrier_arrive(ready.index(slot))
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            col = (first_head + g) * HEAD_DIM
+            tma.async_copy_global_to_shared(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
+            m_start += BLOCK_M
+            if m_start == m_end:
+                m_start = m_lo
+                g += 1
+
+
+# ---------------------------------------------------------------- consumers
+@gluon.jit
+def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: `varlen_bwd_gluon._visible_t` solved for
+    ``q`` once per consumer (``aligned = q + shift`` with ``shift = 0`` top-left, ``len_kv - len_q``
+    bottom-right; ``q < len_q``), so that a masked block compares its query positions with two
+    per-key bounds: no per-block key arithmetic, no loop-invariant per-query vectors for LLVM to
+    hoist (each costs 16 registers across the loop)."""
+    a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
+                                        HAS_CHUNK)
+    if TOP_LEFT:
+        shift = len_q * 0
+    else:
+        shift = len_kv - len_q
+    return a_lo - shift, gl.minimum(a_hi - shift, len_q)
+
+
+@gluon.jit
+def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M: gl.constexpr,
+                s_layout: gl.constexpr):
+    """`varlen_bwd_gluon._probs_t` with the per-key bounds of `_query_range_of_keys`. ``cols``: shared
+    memory holding ``0 .. BLOCK_M-1``; the column positions are loaded from it in masked blocks, because
+    LLVM hoists a ``gl.arange`` out of the loop and keeps its 16 values per thread live throughout."""
+    p_t = gl.exp2(s_t * qk_scale_log2 - lse_log2[None, :])
+    if (m_start < m_mid_lo) | (m_start >= m_mid_hi):
+        offs_q = m_start + cols.load(gl.SliceLayout(0, s_layout))
+        ok = (offs_q[None, :] >= q_lo[:, None]) & (offs_q[None, :] < q_hi[:, None])
+        p_t = gl.where(ok, p_t, 0.0)
+    return p_t
+
+
+@gluon.jit
+def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready, empty, zero_bar,
+                  m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
+    docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
+    slot = it % STAGES
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    q_buf = q_bufs.index(slot)
+    do_buf = do_bufs.index(slot)
+    stat = stats.index(slot)
+    if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
+        if WG == 0:
+            _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+        else:
+            _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+        mbarrier.arrive(zero_bar, count=1)
+        mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
+        ntail += 1
+
+    s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k_wg, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v_wg, do_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    lse = stat.slice(0, BLOCK_M).load(gl.SliceLayout(0, s_layout))
+    lse_log2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # a row that sees no key: P = 0
+    s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+    p_t = _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M,
+                      s_layout)
+    p_op = _to_operand(p_t, k_wg.dtype, o_layout)
+    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    delta = stat.slice(BLOCK_M, BLOCK_M).load(gl.SliceLayout(0, s_layout))
+    ds_t = _to_operand(p_t * (dp_t - delta[None, :]), k_wg.dtype, o_layout)
+    dk_tok = warpgroup_mma(ds_t, q_buf, dk, is_async=True)
+    dv, dk, p_op, ds_t = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_t))
+    mbarrier.arrive(empty.index(slot), count=1)  # this consumer is done with the slot
+    return dk, dv, ntail
+
+
+@gluon.jit
+def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
+                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2, scale,
+                      window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats,
+                      kv_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                      TOP_LEFT: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
+                   BLOCK_M)
+    k_wg = k_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    v_wg = v_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+    if total > 0:
+        offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
+        q_lo, q_hi = _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        cols = col_smem.index(WG)
+        cols.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
+        gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
+        m_end = m_lo + num_m_blocks * BLOCK_M
+        m_start = m_lo  # first query of step it (query heads x blocks, as the producer walks them)
+        ntail = m_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(0, total):
+            dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
+                                          empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2,
+                                          s_layout, o_layout, WG, BLOCK_M, HEAD_DIM, STAGES)
+            m_start += BLOCK_M
+            if m_start == m_end:
+                m_start = m_lo
+
+    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
+                   BLOCK_M, True)
+    first_key = k_start + WG * WG_KEYS
+    if seq >= 0:
+        # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
+        # with total == 0 no TMA was issued into them)
+        row0_kv64 = row0_kv.to(gl.int64)
+        _store_tile(dv, v_wg, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key,
+                    len_kv, stride_dv_row, WG_KEYS, HEAD_DIM, 4)
+        _store_tile(dk * scale, k_wg, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head,
+                    first_key, len_kv, stride_dk_row, WG_KEYS, HEAD_DIM, 4)
+
+
+@gluon.jit
+def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
+                             stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2,
+                             scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
+                             stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """The second consumer warp group (keys 64..127) as a worker partition."""
+    _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
+                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2, scale,
+                      window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar,
+                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+
+
+# ---------------------------------------------------------------- kernel
+@gluon.jit
+def varlen_bwd_dkdv_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
+    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Warp-specialised `varlen_bwd_dkdv_gluon_kernel` (module docstring), same arguments plus the
+    register split; launch with ``num_warps = 4`` and ``maxnreg`` as
+    `triton_bwd_gluon.dkdv_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks
+    ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(BLOCK_N == 2 * WG_KEYS, "two consumer warp groups of 64 keys each")
+    gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
+    gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    # per consumer: 0 .. BLOCK_M-1, the query positions of a block (see `_probs_t_ws`)
+    col_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # per ring slot: lse (BLOCK_M floats) then delta (BLOCK_M floats) of the slot's queries
+    stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(zero_bar, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
+                             stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2,
+                             scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
+                             stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                             HAS_CHUNK, TOP_LEFT)),
+        (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                                    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
+                                    group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
+                                    v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM,
+                                    BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
+        (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
+                             row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size, k_smem, v_smem,
+                             q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
