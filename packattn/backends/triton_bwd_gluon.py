@@ -19,33 +19,14 @@ compute capability 9.x, float16 / bfloat16, head dim 64 or 128, GQA); tensors th
 viewable as TMA ``(rows, heads * d)`` matrices are copied by the launchers. `gluon_bwd_eligible`
 is the same test without strides, for deciding at forward time which tables to build.
 
-Switching it on in `packattn.backends.triton_varlen` (not done here; opt-in until timed)::
-
-    # module level
-    from packattn.backends import triton_bwd_gluon as tbg
-
-    def use_gluon_bwd(q, k, v) -> bool:   # the SAME answer at forward and backward time
-        return os.environ.get("PACKATTN_TRITON_BWD") == "gluon" and tbg.gluon_bwd_eligible(q, k, v)
-
-    # TritonVarlenBackend.run, in the grad branch, instead of the two launch_config tables
-    # (after the scale flip: gluon_bwd_eligible looks at dtype / device / shapes only):
-    if use_gluon_bwd(q, k, v):
-        dq, dkdv = tbg.dq_config(head_dim), tbg.dkdv_config(head_dim)
-    else:
-        dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
-    dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)        # unchanged lines
-    dkdv_tiles = tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
-
-    # varlen_bwd, first statement of the body (before _last_dim_contiguous):
-    if use_gluon_bwd(q, k, v):
-        return tbg.gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                                    row_offsets_kv, dq_tiles, dkdv_tiles, scale, window_left, window_right,
-                                    chunk_size, top_left, padded_q, padded_kv, pad_rows_q, pad_rows_kv)
-
-Both sides must agree, because the tile tables travel from the forward to the backward inside the
-custom op; `gluon_bwd_eligible` depends on nothing the backward could change (dtype, device,
-head dim, head counts), and reading the env var in both places is consistent within a process.
-The tree backward (`triton_tree`, ``launch_dkdv(..., tree=True)``) is not covered: keep it on Triton.
+In the triton backend (`packattn.backends.triton_varlen`) on sm_90: the dQ pass is `gluon_launch_dq`
+(`use_gluon_dq`, same blocks as the Triton dQ pass) and, at head dim 128, the dK/dV pass is the
+warp-specialised `gluon_launch_dkdv` (`use_gluon_dkdv`; its key tile table is built by the forward
+with `dkdv_blocks`). Both decisions depend only on dtypes, shapes, device and the environment, so
+the forward and the backward agree; ``PACKATTN_TRITON_BWD=triton`` keeps the Triton passes.
+`gluon_varlen_bwd` (every pass in Gluon, with this module's configs) serves A/B runs
+(`benchmarks/ab_gluon_bwd.py`). The tree backward (`triton_tree`, ``launch_dkdv(..., tree=True)``)
+stays on Triton.
 """
 
 from __future__ import annotations
@@ -84,7 +65,11 @@ class GluonBwdConfig:
 # dK/dV at d = 128 holds dK + dV in 128 float32 registers per thread whatever the tile (a warp group
 # per 64 keys); with 64-query blocks the pipelined step needs ~260 and spills ~300 B (as the Triton
 # kernel at 64 x 128), so d = 128 streams 32-query blocks (~115 KB shared, 4 stages).
-DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(32, 128, 4)}
+# d = 128: the warp-specialised kernel (64 queries per step, 2 stages), the triton backend's dK/dV pass
+# on sm_90 (`triton_varlen.use_gluon_dkdv`): W1 2.114 -> 1.442 ms against the Triton pass
+# (results/2026-11-23/ab_gluon_dkdv_ws_h200_W1.txt). d = 64 keeps the non-specialised kernel (not timed
+# with ",ws"), so the Triton pass runs there.
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 128, 2, 8, True)}
 DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
 # Spill-free alternatives for A/B runs. (.., 64, .., 4 warps) dK/dV tiles: one warp group, <= 98 KB of
 # shared memory and <= 256 registers, so two CTAs share an SM and drift out of phase (one's
@@ -93,10 +78,10 @@ DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
 # consumers' 240 registers without spills (scripts/check_gluon_bwd_compile.py --kernels dkdv --config
 # 64,128,4,8,ws: every mask, bf16 / fp16, d 64 / 128; ~238 registers per consumer at d = 128, ~170 at d = 64);
 # d = 128 takes 64 KB (K, V) + 32 KB per stage of shared memory (195 KB at 4 stages), d = 64 half of it.
-DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True)],
-                        128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True)]}
+DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True)],
+                        128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True)]}
 DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[64],
-                     128: [GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
+                     128: [GluonBwdConfig(32, 128, 4), GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
 DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)],
                    128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]}
 ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DKDV_CONFIGS (A/B runs)

@@ -316,6 +316,31 @@ def use_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Laun
     return (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n)
 
 
+def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The warp-specialised Gluon dK/dV pass (`packattn.kernels.varlen_bwd_gluon_ws`) runs instead of
+    the Triton one where it can (sm_90, fp16/bf16, head dim 128): W1's dK/dV pass 2.114 -> 1.442 ms on
+    an H200 (benchmarks/NOTES.md, v11). Depends only on dtypes, shapes, device and the environment, so
+    the forward (which builds the tile table, `dkdv_blocks`) and the backward agree.
+    ``PACKATTN_TRITON_BWD=triton`` keeps the Triton pass."""
+    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_BWD") == "triton":
+        return False
+    from packattn.backends.triton_bwd_gluon import dkdv_config, gluon_bwd_eligible
+
+    return gluon_bwd_eligible(q, k, v) and dkdv_config(q.shape[-1]).warp_specialize
+
+
+def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """``(keys per tile, queries per step)`` of the dK/dV pass `varlen_bwd` runs on these tensors: the
+    arguments of its key tile table, ``tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))``."""
+    if use_gluon_dkdv(q, k, v):
+        from packattn.backends.triton_bwd_gluon import dkdv_config
+
+        cfg = dkdv_config(q.shape[-1])
+    else:
+        cfg = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
+    return cfg.block_n, cfg.block_m
+
+
 def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
                 dim: int = 0) -> torch.Tensor:
     """An output the kernels write except on rows in no sequence: those hold ``fill``. With the
@@ -358,7 +383,12 @@ def varlen_bwd(
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
                   **_mask_constexprs(window_left, window_right, chunk_size, top_left))
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
+    if use_gluon_dkdv(q, k, v):
+        from packattn.backends.triton_bwd_gluon import gluon_launch_dkdv
+
+        gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args, top_left)
+    else:
+        launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
 
     config = launch_config("dq", head_dim, q.dtype, q.device)
     if use_gluon_dq(q, k, v, config):
@@ -478,9 +508,9 @@ class TritonVarlenBackend(TritonBackend):
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            dq, dkdv = (launch_config(name, head_dim, q.dtype, q.device) for name in ("dq", "dkdv"))
+            dq = launch_config("dq", head_dim, q.dtype, q.device)
             dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)
-            dkdv_tiles = tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
+            dkdv_tiles = tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))
         else:
             dq_tiles = dkdv_tiles = q_tiles[:0]
         rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q

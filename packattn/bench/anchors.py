@@ -7,7 +7,6 @@ the workload's THD tensors, or raises `Unavailable` with a reason.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 import packattn

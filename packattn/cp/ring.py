@@ -270,9 +270,9 @@ def _step_grads_triton(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, 
     if scale < 0:  # the kernels need scale >= 0 (as in TritonVarlenBackend.run)
         q_s, scale, sign = -q_s, -scale, -1.0
     head_dim = q_s.shape[-1]
-    dq_cfg, dkdv_cfg = (triton_varlen.launch_config(name, head_dim, q_s.dtype, q_s.device) for name in ("dq", "dkdv"))
+    dq_cfg = triton_varlen.launch_config("dq", head_dim, q_s.dtype, q_s.device)
     dq_tiles = triton_varlen.tile_table(seqs, mask, False, dq_cfg.block_m, dq_cfg.block_n)
-    dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, dkdv_cfg.block_n, dkdv_cfg.block_m)
+    dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, *triton_varlen.dkdv_blocks(q_s, k_s, v_s))
     dq, dk, dv = torch.ops.packattn.varlen_bwd(
         dout_s, dlse_s, q_s, k_s, v_s, out_g, lse_g.float().contiguous(), seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
         seqs.cu_seqlens_q, seqs.cu_seqlens_kv, dq_tiles, dkdv_tiles, scale, mask.left, mask.right, 0,
