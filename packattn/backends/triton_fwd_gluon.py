@@ -254,7 +254,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``out`` / ``lse``: preallocated outputs whose rows in no sequence already hold 0 / -inf (the
     kernel writes only rows of sequences); allocated here (zero / -inf filled when ``padded_q``)
     when not given."""
-    from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel, varlen_fwd_gluon_ws_kernel
+    from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
+    from packattn.kernels.varlen_fwd_gluon_ws import varlen_fwd_gluon_ws_kernel
 
     q, k, v = (_as_tma_tensor(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape

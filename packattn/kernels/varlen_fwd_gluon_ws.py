@@ -1,0 +1,266 @@
+"""Warp-specialised Gluon forward for Hopper (sm_90a): `varlen_fwd_gluon_ws_kernel`.
+
+Same contract as `packattn.kernels.varlen_fwd_gluon.varlen_fwd_gluon_kernel` (plus ``num_work``),
+selected by `GluonConfig.warp_specialize` in `packattn.backends.triton_fwd_gluon`. Partitions (launched with
+``num_warps = 4``; ``BLOCK_M // 64`` consumer warp groups + one producer warp, 8 or 12 warps):
+
+* consumer ``c`` (4 warps: the default partition for ``c = 0``, a worker for ``c = 1``) owns query
+  rows ``[64 c, 64 c + 64)`` of the tile and runs the loop of `varlen_fwd_gluon._attend` on them; when PV[j] is
+  done it arrives on ``empty[j % STAGES]`` (count ``BLOCK_M // 64``) instead of a CTA barrier.
+  Each consumer is its own partition, so the barrier that Triton puts in front of an mbarrier
+  arrive (``bar.sync id, 128``) only spans the arriving warp group: the two warp groups never
+  wait for each other inside the loop;
+* producer (1 warp, few registers): loads Q on ``q_bar`` and the K/V blocks on ``ready[slot]``,
+  waiting on ``empty[slot]`` before it reuses a slot, and on ``q_empty`` before it reloads Q.
+
+Every partition walks the same list of work items ``pid, pid + nprog, ...`` (one item per
+program unless the grid is persistent) and counts ring blocks / Q loads globally, so the
+mbarrier phases stay in step across tiles. With ``DIRECT_STORE`` the output is stored from the
+accumulator registers (no staging through Q's buffer), so Q is released as soon as the tile's
+last S wgmma is done and the producer loads the next tile's Q under this tile's last PV and
+epilogue; otherwise Q's buffer stages the output (16 B stores) and is released after the epilogue.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_pv, _issue_qk, _load_kv_block, _softmax_any, _store_out,
+                                               _to_operand, mma_layout)
+
+
+@gluon.jit
+def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
+               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Decode work item ``w`` (tile ``w // heads``, head ``w % heads``: heads vary fastest, so the
+    longest tiles of every head come first). ``seq < 0`` marks an unused tile-table row."""
+    tile = w // num_heads_q
+    head = w % num_heads_q
+    seq = gl.load(tiles + tile * 6)
+    seq_ok = gl.maximum(seq, 0)
+    q_start = gl.load(tiles + tile * 6 + 1)
+    n_lo = gl.load(tiles + tile * 6 + 2)
+    n_mid_lo = gl.load(tiles + tile * 6 + 3)
+    n_mid_hi = gl.load(tiles + tile * 6 + 4)
+    n_hi = gl.load(tiles + tile * 6 + 5)
+    len_q = gl.load(cu_seqlens_q + seq_ok + 1) - gl.load(cu_seqlens_q + seq_ok)
+    len_kv = gl.load(cu_seqlens_kv + seq_ok + 1) - gl.load(cu_seqlens_kv + seq_ok)
+    row0_q = gl.load(row_offsets_q + seq_ok)
+    row0_kv = gl.load(row_offsets_kv + seq_ok)
+    col_kv = (head // group_size) * HEAD_DIM
+    num_blocks = gl.where(seq >= 0, (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N, 0)
+    return seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                 num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
+    """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
+    Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
+    the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
+    block = 0  # ring blocks issued so far (all tiles of this program)
+    loads_q = 0  # Q loads issued so far
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
+            tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
+            HEAD_DIM, BLOCK_N)
+        if seq >= 0:
+            first = gl.minimum(num_blocks, Q_AFTER)
+            for b in range(0, first):
+                mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
+                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
+                               col_kv, block + num_blocks, STAGES, BLOCK_N)
+            mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            for b in range(first, num_blocks):
+                mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
+                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
+                               col_kv, block + num_blocks, STAGES, BLOCK_N)
+            block += num_blocks
+            loads_q += 1
+
+
+@gluon.jit
+def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, base, m_i, l_i, acc, offs_m, offs_n, n_lo, n_mid_lo,
+               n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+               s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+               TOP_LEFT: gl.constexpr, EARLY_Q_RELEASE: gl.constexpr):
+    """`_attend` for one consumer warp group (64 rows), blocks ``base ...`` of the ring: same
+    pipeline, but block j's slot is handed back to the producer through ``empty`` once PV[j] is
+    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done."""
+    dtype: gl.constexpr = q_wg.dtype
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma_wait(0, deps=(_issue_qk(q_wg, k_bufs, ready, base, s_zero, STAGES), ))
+    p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
+                                      qk_scale_log2, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
+                                      HAS_CHUNK, TOP_LEFT)
+    p_op = _to_operand(p, dtype, o_layout)
+    for j in range(0, num_blocks - 1):
+        s_tok = _issue_qk(q_wg, k_bufs, ready, base + j + 1, s_zero, STAGES)
+        # blocks before the last never cross the sequence end: no V tail to zero here
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
+        p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi,
+                                          len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+                                          HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        mbarrier.arrive(empty.index((base + j) % STAGES), count=1)  # this warp group is done with block j
+        p_op = _to_operand(p, dtype, o_layout)
+    if EARLY_Q_RELEASE:
+        mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
+    last = num_blocks - 1
+    acc_tok = _issue_pv(acc, p_op, alpha, v_bufs, base + last, n_lo + last * BLOCK_N, len_kv, o_layout, STAGES,
+                        BLOCK_N, HEAD_DIM, 4)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_row, stride_o_head,
+                      stride_lse_head, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """`_store_out` without shared memory: ``out`` straight from the accumulator layout (each
+    thread writes pairs of adjacent columns), so Q's buffer is not needed for the epilogue."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    empty = l_o == 0.0
+    l_safe = gl.where(empty, 1.0, l_o)
+    out = acc * (1.0 / l_safe)[:, None]
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
+    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    gl.store(Lse + head.to(gl.int64) * stride_lse_head + row0_q + rows, lse, mask=rows < len_q)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    base = Out + row0_q * stride_o_row + head.to(gl.int64) * stride_o_head
+    ptrs = base + rows[:, None] * stride_o_row + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < len_q)[:, None])
+
+
+@gluon.jit
+def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                 stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                 DIRECT_STORE: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
+    this program."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    q_wg = q_smem.slice(WG * 64, 64, dim=0)
+    block = 0
+    loads_q = 0
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
+            tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
+            HEAD_DIM, BLOCK_N)
+        if seq >= 0:
+            q_wg_start = q_start + WG * 64
+            offs_m = q_wg_start + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
+            if num_blocks > 0:
+                acc, m_i, l_i = _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, block, m_i, l_i, acc, offs_m,
+                                           offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv,
+                                           qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
+                                           BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                                           DIRECT_STORE)
+            elif DIRECT_STORE:
+                mbarrier.arrive(q_empty, count=1)
+            if DIRECT_STORE:
+                _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
+                                  stride_o_row, stride_o_head, stride_lse_head, o_layout, 64, HEAD_DIM)
+            else:
+                _store_out(acc, m_i, l_i, q_wg, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
+                           stride_o_row, stride_o_head, stride_lse_head, o_layout, 64, HEAD_DIM, 4)
+                fence_async_shared()  # generic writes to Q's buffer before the producer's next TMA into it
+                mbarrier.arrive(q_empty, count=1)
+            block += num_blocks
+            loads_q += 1
+
+
+@gluon.jit
+def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                        stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
+                        window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                        DIRECT_STORE: gl.constexpr):
+    """The second consumer warp group (rows 64..127) as a worker partition."""
+    _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                 stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N,
+                 STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)
+
+
+@gluon.jit
+def varlen_fwd_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, Out, Lse, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_o_row, stride_o_head, stride_lse_head,
+    num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Warp-specialised `varlen_fwd_gluon_kernel` (see the comment above `_work_item`): launch with
+    ``num_warps = 4`` and ``maxnreg`` such that ``maxnreg * 32 * (4 * ceil((BLOCK_M // 16 + 1) / 4))``
+    registers fit the SM at the wanted occupancy; ``num_work = tiles.shape[0] * num_heads_q`` work
+    items are spread over the grid (a persistent grid when it is smaller)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
+    gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
+    Q_AFTER: gl.constexpr = 1 if DIRECT_STORE else STAGES
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=NUM_CONSUMERS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
+                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                                   stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
+                                   qk_scale_log2, window_left, window_right, chunk_size, num_work, q_smem, k_bufs,
+                                   v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
+                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
+                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+        ], [1], [PRODUCER_REGS])
