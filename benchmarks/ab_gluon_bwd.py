@@ -1,13 +1,14 @@
 """A/B of the Gluon Hopper backward (`packattn.backends.triton_bwd_gluon`) against the Triton backward
 (``torch.ops.packattn.varlen_bwd``: `varlen_bwd.bwd_dkdv_kernel` + `bwd_dq_kernel`), on one GPU.
 
-    python3 benchmarks/ab_gluon_bwd.py [--no-nasty] [W1 W2 W4 W8]     (needs an sm_90 GPU)
+    python3 benchmarks/ab_gluon_bwd.py [--no-nasty] [--only dq|dkdv] [W1 W2 W4 W8]     (needs an sm_90 GPU)
 
 1. Small nasty cases (lengths [1, 0, 17, 37, 100, 129, 300], GQA 4/2 and 4/1, causal both
    alignments, no mask, windows, chunks, cross lengths, padding with NaN in the padding rows of
    q / k / v / dout, d 64/128, fp16/bf16): the reference is ``packattn.attention(..., backend="triton")``
    + autograd; the Gluon kernels then run on the same out / lse / dout, with the launchers' defaults and
-   then with each dK/dV config of ``DKDV_ALTERNATIVES`` (the warp-specialised ",ws" ones included).
+   then with each dK/dV config of ``DKDV_ALTERNATIVES`` (the warp-specialised ",ws" ones included) and
+   each warp-specialised dQ config of ``DQ_WS_ALTERNATIVES``.
    Reported: max |diff| / max |ref| for dq, dk, dv. Both sides round P and dS to 16 bits before their products but sum in different
    orders (and tiles), so they differ by a few ulps of the inputs' dtype (tolerances in ``TOL``).
 2. The workloads (bf16, d 128): dq / dk / dv of the Gluon backward checked against the Triton
@@ -156,15 +157,20 @@ def make_nasty(case) -> Problem:
 
 def run_nasty(case) -> list[tuple[str, list[float], bool]]:
     """The launchers' default configs, then each dK/dV alternative of ``DKDV_ALTERNATIVES`` (the
-    warp-specialised ",ws" ones included) on the same problem: one ``(name, diffs, ok)`` per config."""
+    warp-specialised ",ws" ones included), then each warp-specialised dQ config of ``DQ_WS_ALTERNATIVES``,
+    on the same problem: one ``(name, diffs, ok)`` per config."""
     problem = make_nasty(case)
     ref = problem.triton_grads()
     tol = TOL[problem.q.dtype]
     results = []
-    for cfg in [None] + tb.DKDV_ALTERNATIVES.get(problem.q.shape[-1], []):
-        name = case[0] if cfg is None else f"{case[0]} [dkdv {_label(cfg)}]"
+    d = problem.q.shape[-1]
+    runs = ([(tb.ENV_DKDV, "dkdv", cfg) for cfg in [None] + tb.DKDV_ALTERNATIVES.get(d, [])]
+            + [(tb.ENV_DQ, "dq", cfg) for cfg in tb.DQ_WS_ALTERNATIVES.get(d, [])])
+    runs = [r for r in runs if ONLY_PASS is None or (r[1] == ONLY_PASS and r[2] is not None)]
+    for env, kind, cfg in runs:
+        name = case[0] if cfg is None else f"{case[0]} [{kind} {_label(cfg)}]"
         try:
-            got = _with_env(tb.ENV_DKDV, cfg, problem.gluon_grads)
+            got = _with_env(env, cfg, problem.gluon_grads)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 -- report and go on
             print(f"  ERR  {name:44s} {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -280,8 +286,10 @@ def run_workload(name: str, w) -> list[dict]:
                                            p.padded_kv, p.pad_rows_q, p.pad_rows_kv)
     # useful FLOPs of each pass: dK/dV 4 products, dQ 3, each 2 * d per visible pair and head
     fwd = w.fwd_flops()  # = 2 products
-    rows = run_pass(name, "dkdv", p, [ref_dk, ref_dv], triton_dkdv, gluon_dkdv, tb.ENV_DKDV,
-                    [None] + tb.DKDV_ALTERNATIVES.get(d, []), 2.0 * fwd)
+    rows = [] if ONLY_PASS == "dq" else run_pass(name, "dkdv", p, [ref_dk, ref_dv], triton_dkdv, gluon_dkdv,
+                                                 tb.ENV_DKDV, [None] + tb.DKDV_ALTERNATIVES.get(d, []), 2.0 * fwd)
+    if ONLY_PASS == "dkdv":
+        return rows
     rows += run_pass(name, "dq", p, [ref_dq], triton_dq, gluon_dq, tb.ENV_DQ,
                      [None] + tb.DQ_ALTERNATIVES.get(d, []), 1.5 * fwd)
     return rows
@@ -296,8 +304,15 @@ def triton_tables(p: Problem):
 
 
 # ---------------------------------------------------------------- main
+ONLY_PASS = None  # "--only dq" / "--only dkdv": that pass's alternatives only (nasty cases and workloads)
+
+
 def main(names: list[str]) -> int:
+    global ONLY_PASS
     skip_nasty = "--no-nasty" in names  # workload timings only
+    if "--only" in names:
+        ONLY_PASS = names[names.index("--only") + 1]
+        names = [n for n in names if n not in ("--only", ONLY_PASS)]
     names = [n for n in names if n != "--no-nasty"]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs an sm_90 (Hopper) GPU")

@@ -11,6 +11,7 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
     python scripts/check_gluon_bwd_compile.py [--kernels dkdv dq] [--head-dims 64 128] [--dtypes bf16 fp16]
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,64,3,4 --masks R   # another config
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,4,8,ws         # warp-specialised
+    python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8,ws           # warp-specialised dQ
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
 """
 
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
 from packattn.backends.triton_fwd_gluon import smem_layout  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
+from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,11 +103,11 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       num_warps=cfg.num_warps)
     options = {"num_warps": cfg.num_warps, "num_stages": 1}
-    if cfg.warp_specialize:  # as `gluon_launch_dkdv` launches it
-        if kernel != "dkdv":
-            raise ValueError("only the dK/dV kernel has a warp-specialised variant")
-        fn = varlen_bwd_dkdv_gluon_ws_kernel
-        res = tb.dkdv_ws_resources(cfg, head_dim)
+    if cfg.warp_specialize:  # as `gluon_launch_dkdv` / `gluon_launch_dq` launch it
+        if kernel == "dkdv":
+            fn, res = varlen_bwd_dkdv_gluon_ws_kernel, tb.dkdv_ws_resources(cfg, head_dim)
+        else:
+            fn, res = varlen_bwd_dq_gluon_ws_kernel, tb.dq_ws_resources(cfg, head_dim)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
@@ -148,14 +150,15 @@ def _scf_for_bodies(ttgir: str) -> list[str]:
     return bodies
 
 
-def overlap_proof(compiled, warp_specialized: bool = False) -> tuple[bool, str]:
+def overlap_proof(compiled, carries_ds: bool = True) -> tuple[bool, str]:
     """Are wgmma's left in flight across P and dS? The TTGIR main loop must wait with pendings = 2
     (S done; dP and the previous block's dK / dQ in flight during P) and pendings = 1 (dV / dQ in
     flight during dS); the PTX loop must hold ``wgmma.wait_group 2`` and ``1`` beside wgmma and ex2.
     The warp-specialised dK/dV kernel (`varlen_bwd_gluon_ws`) issues dK within its step (no dS^T
-    carried across steps: no room in 240 registers), so it only needs the ``1`` waits (dP^T in
-    flight during P^T, dV during dS^T)."""
-    waits = (1, ) if warp_specialized else (2, 1)
+    carried across steps: no room in 240 registers), and so does the warp-specialised dQ kernel
+    (`varlen_bwd_gluon_dq_ws`) with 2 stages: ``carries_ds=False``, only the ``1`` waits are needed
+    (dP in flight during P)."""
+    waits = (2, 1) if carries_ds else (1, )
     loops = [b for b in _scf_for_bodies(compiled.asm["ttgir"]) if "ttng.warp_group_dot " in b]
     ir_ok = any(all(f"pendings = {n}" in b for n in waits) for b in loops)
     ptx_loops = [b for b in _ptx_loops(compiled.asm["ptx"]) if "wgmma.mma_async" in b]
@@ -182,7 +185,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
                         help="block_m,block_n,stages,num_warps[,ws] instead of the launcher's table, e.g. 64,64,3,4 "
-                             "or 64,128,4,8,ws (warp-specialised dK/dV)")
+                             "or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws (warp-specialised dQ)")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
@@ -201,7 +204,9 @@ def main() -> int:
                         continue
                     shared = compiled.metadata.shared
                     usage, warnings = ptxas_report(compiled.asm["ptx"])
-                    ok, detail = overlap_proof(compiled, cfg.warp_specialize)
+                    # the WS dQ kernel carries dS across steps with >= 3 stages (`varlen_bwd_gluon_dq_ws`)
+                    carries = not cfg.warp_specialize or (kernel == "dq" and cfg.stages >= 3)
+                    ok, detail = overlap_proof(compiled, carries)
                     spills = re.search(r"(\d+) bytes spill stores", usage)
                     # warp-specialised: (setmaxnreg budget, registers touched, SASS instructions) per partition
                     regions = sass_register_regions(compiled.asm["cubin"]) if cfg.warp_specialize else []

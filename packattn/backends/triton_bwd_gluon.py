@@ -36,9 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, MIN_CONSUMER_REGS, PRODUCER_REGS, SM_REGISTERS,
-                                                SM_SHARED, _as_tma_tensor, _capability, _descriptor,
-                                                gluon_fwd_supported)
+from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _as_tma_tensor, _capability, _descriptor,
+                                                gluon_fwd_supported, ws_split)
 
 
 @dataclass(frozen=True)
@@ -47,9 +46,10 @@ class GluonBwdConfig:
     block_n: int  # keys per block (dK/dV: per tile, == 16 * num_warps; dQ: per ring step)
     stages: int  # ring slots; >= 3 for any prefetch (the slot of step j-1 is refilled at the end of step j)
     num_warps: int = 8  # (warp_specialize: the consumer warps; the launch adds the producer warp)
-    # dK/dV only: `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`, a 1-warp TMA producer and two
+    # dK/dV: `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`, a 1-warp TMA producer and two
     # consumer warp groups of 64 keys (block_n 128, num_warps 8) with ~240 registers each (setmaxnreg),
-    # ready / empty mbarriers, no CTA barrier in the loop
+    # ready / empty mbarriers, no CTA barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
+    # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8)
     warp_specialize: bool = False
 
     def label(self) -> str:
@@ -82,15 +82,27 @@ DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig
                         128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True)]}
 DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[64],
                      128: [GluonBwdConfig(32, 128, 4), GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
-DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)],
-                   128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]}
+# Warp-specialised dQ (",ws", `varlen_bwd_gluon_dq_ws`; opt-in until the GPU test suite has run with it):
+# H200 A/B (results/2026-11-23/ab_gluon_dq_ws_h200.txt), (128, 64, 4 stages) vs the default Gluon dQ:
+# W1 1.264 -> 1.088 ms, W2 2.393 -> 2.049, W4 3.005 -> 2.544 (1.15-1.18x); 43 nasty cases ok.
+# 128-query tiles, two consumer warp groups of 64 queries, (K, V) ring by a 1-warp producer. block_n 64
+# with >= 3 stages carries dS[j] into step j+1 (the non-specialised kernel's schedule); block_n 128
+# (2 stages: 192 KB at d = 128) finishes each block's dQ product in its step. (128, 64) configs keep the Triton dQ pass's blocks, so the triton
+# backend's dQ tile table fits them (`triton_varlen.use_gluon_dq`).
+DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True)],
+                      128: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 64, 3, 8, True),
+                            GluonBwdConfig(128, 128, 2, 8, True)]}
+DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DQ_WS_ALTERNATIVES[64],
+                   128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]
+                   + DQ_WS_ALTERNATIVES[128]}
 ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DKDV_CONFIGS (A/B runs)
-ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # "block_m,block_n,stages,num_warps" overrides DQ_CONFIGS
+ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DQ_CONFIGS
 
 
 def parse_config(text: str) -> GluonBwdConfig:
-    """``"block_m,block_n,stages,num_warps[,ws]"`` (``ws``: warp_specialize, dK/dV only), e.g.
-    ``"32,128,4,8"``, ``"64,128,4,8,ws"``; the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` / ``_DQ_CONFIG``."""
+    """``"block_m,block_n,stages,num_warps[,ws]"`` (``ws``: warp_specialize), e.g. ``"32,128,4,8"``,
+    ``"64,128,4,8,ws"`` (dK/dV), ``"128,64,4,8,ws"`` (dQ); the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` /
+    ``_DQ_CONFIG``."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "ws"):
         raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws]")
@@ -114,8 +126,9 @@ def dq_config(head_dim: int) -> GluonBwdConfig:
     """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides); its tile table is
     ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
     cfg = _config(ENV_DQ, DQ_CONFIGS, head_dim)
-    if cfg.warp_specialize:
-        raise ValueError(f"{ENV_DQ}: the dQ kernel has no warp-specialised variant")
+    if cfg.warp_specialize and (cfg.block_m != 128 or cfg.num_warps != 8 or cfg.block_n not in (64, 128)):
+        raise ValueError(f"{ENV_DQ}: the warp-specialised dQ kernel takes block_m 128, block_n 64 or 128, "
+                         f"num_warps 8 (got {cfg.label()})")
     return cfg
 
 
@@ -156,17 +169,22 @@ def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     one CTA per SM, 12 warps, maxnreg 168, consumers 240, producer 24."""
     if not cfg.warp_specialize or cfg.block_n != 128 or cfg.num_warps != 8:
         raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_n 128, num_warps 8, ws")
-    warps = 4 * ((cfg.num_warps + 1 + 3) // 4)
-    consumers = cfg.num_warps // 4
-    best = None
-    for ctas in range(1, max(1, SM_SHARED // (dkdv_shared_bytes(cfg, head_dim) + 1024)) + 1):
-        maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
-        idle = warps // 4 - consumers  # warp groups other than the consumers (the producer's)
-        consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * idle) // (4 * consumers)) // 8 * 8
-        if best is None or consumer_regs >= MIN_CONSUMER_REGS:
-            best = {"ctas_per_sm": ctas, "warps": warps, "maxnreg": maxnreg, "consumer_regs": consumer_regs,
-                    "producer_regs": PRODUCER_REGS}
-    return best
+    return ws_split(cfg.num_warps, dkdv_shared_bytes(cfg, head_dim))
+
+
+def dq_ws_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
+    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile, the (K, V) ring, the mbarriers."""
+    return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
+
+
+def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
+    """Register split of the warp-specialised dQ kernel (`varlen_bwd_gluon_dq_ws`), as `dkdv_ws_resources`:
+    ``ctas_per_sm``, ``warps``, ``maxnreg``, ``consumer_regs``, ``producer_regs``. At d = 128 (block_m 128,
+    block_n 64 with 4 stages or 128 with 2: ~192 KB of shared memory): one CTA per SM, 12 warps, maxnreg
+    168, consumers 240, producer 24."""
+    if not cfg.warp_specialize or cfg.block_m != 128 or cfg.num_warps != 8 or cfg.block_n not in (64, 128):
+        raise ValueError(f"{cfg}: the warp-specialised dQ kernel takes block_m 128, block_n 64 / 128, num_warps 8, ws")
+    return ws_split(cfg.num_warps, dq_ws_shared_bytes(cfg, head_dim))
 
 
 def _mask_constexprs(mask_args, top_left: bool) -> dict:
@@ -212,9 +230,10 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool) -> None:
-    """dQ pass (`varlen_bwd_dq_gluon_kernel`), one program per (query tile, query head). ``tiles``
-    built with ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq``
-    written on the rows of sequences only."""
+    """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
+    the config says ``warp_specialize``), one program per (query tile, query head). ``tiles`` built with
+    ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
+    of sequences only."""
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
 
     heads_q = q.shape[1]
@@ -227,14 +246,20 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
     lse, delta = lse.contiguous(), delta.contiguous()
     cfg = dq_config(q.shape[-1])
-    varlen_bwd_dq_gluon_kernel[grid](
-        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, *seq_args,
-        dq.stride(0), dq.stride(1), lse.stride(0),
-        heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args,
-        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        num_warps=cfg.num_warps, **_mask_constexprs(mask_args, top_left),
-    )
+    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+            _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, *seq_args,
+            dq.stride(0), dq.stride(1), lse.stride(0),
+            heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args)
+    blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  **_mask_constexprs(mask_args, top_left))
+    if cfg.warp_specialize:
+        from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
+
+        res = dq_ws_resources(cfg, q.shape[-1])
+        varlen_bwd_dq_gluon_ws_kernel[grid](*args, **blocks, CONSUMER_REGS=res["consumer_regs"],
+                                            PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
+        return
+    varlen_bwd_dq_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)
 
 
 def gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,

@@ -217,15 +217,21 @@ MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230
 
 
 def ws_resources(cfg: GluonConfig, head_dim: int) -> dict:
-    """Occupancy and register split of the warp-specialised kernel: ``ctas_per_sm`` (as many CTAs
-    as shared memory allows while each consumer warp group keeps >= `MIN_CONSUMER_REGS`),
-    ``maxnreg`` (the kernel's launch bound: the SM's registers over all warps of the resident
-    CTAs, the producer warp padded to a warp group), ``consumer_regs`` (what setmaxnreg gives each
-    consumer warp group: the rest after the producer's ``PRODUCER_REGS``)."""
-    warps = 4 * ((cfg.num_warps + 1 + 3) // 4)
-    consumers = cfg.num_warps // 4
+    """Occupancy and register split of the warp-specialised forward (`ws_split` with its shared memory)."""
+    return ws_split(cfg.num_warps, shared_bytes(cfg, head_dim))
+
+
+def ws_split(consumer_warps: int, cta_shared_bytes: int) -> dict:
+    """Occupancy and register split of a warp-specialised kernel with ``consumer_warps`` consumer warps
+    (warp groups of 4) and one producer warp: ``ctas_per_sm`` (as many CTAs as shared memory allows
+    while each consumer warp group keeps >= `MIN_CONSUMER_REGS`), ``warps`` (the producer padded to a
+    warp group), ``maxnreg`` (the launch bound: the SM's registers over all warps of the resident
+    CTAs), ``consumer_regs`` (what setmaxnreg gives each consumer warp group: the rest after the
+    producer's) and ``producer_regs``."""
+    warps = 4 * ((consumer_warps + 1 + 3) // 4)
+    consumers = consumer_warps // 4
     best = None
-    for ctas in range(1, max(1, SM_SHARED // (shared_bytes(cfg, head_dim) + 1024)) + 1):
+    for ctas in range(1, max(1, SM_SHARED // (cta_shared_bytes + 1024)) + 1):
         maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
         idle = warps // 4 - consumers  # warp groups other than the consumers (the producer's)
         consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * idle) // (4 * consumers)) // 8 * 8

@@ -1,0 +1,286 @@
+"""Warp-specialised dQ backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
+
+Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dq_gluon_kernel` (read its module
+docstring): one program per (query tile of ``BLOCK_M = 128`` queries, query head), tile-table rows
+``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` built by ``tile_table(seqs, mask, False, 128,
+BLOCK_N)``, key blocks ``n_lo + j * BLOCK_N`` of ``[n_lo, n_hi)`` in order; kv head ``head //
+group_size``; the element mask only outside the fully visible band ``[n_mid_lo, n_mid_hi)``; K / V
+rows past ``len_kv`` zeroed in shared memory before a wgmma reads them; dQ (times ``scale``) stored
+for rows inside the sequence only; no atomics (deterministic); queries that see no key get dQ = 0.
+Selected by ``GluonBwdConfig.warp_specialize`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws``) in
+`packattn.backends.triton_bwd_gluon`. The partitions, barriers and register split are those of
+`packattn.kernels.varlen_bwd_gluon_ws` (dK/dV) with the roles of queries and keys swapped.
+
+Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
+worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
+240 registers each, producer 24, `triton_bwd_gluon.dq_ws_resources`)::
+
+    producer (1 warp)                        consumer c in {0, 1} (4 warps each)
+    TMA Q, dO (128 rows) -> q_bar            queries [64 c, 64 c + 64) of the tile: own Q / dO
+    for j in 0 .. num_blocks-1:              rows, own dQ accumulator, own lse / delta (2 + 2
+      wait empty[j % S] (parity ^ 1)         registers per thread: rows of the accumulator layout)
+      expect + TMA K[j], V[j] -> ready[j % S]   wait q_bar; for j: step(j) (below); store dQ * scale
+                                             (staged in its own Q rows)
+
+Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._work_item`, ``num_blocks
+= 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot
+``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` has count 2: both consumers
+read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
+at once.
+
+Step ``j`` of one consumer, ``CARRY_DS`` (``STAGES >= 3``: the schedule of the non-specialised
+kernel; dS[j] crosses the loop's back edge as a register A operand, no wgmma does)::
+
+    wait   ready[j % S]; tail block only: zero rendezvous (below)
+    issue  S[j]  = Q K[j]^T                        (async)
+    issue  dP[j] = dO V[j]^T                       (async)
+    issue  dQ   += dS[j-1] K[j-1]                  (async; three groups in flight)
+    wait   until 2 pending                         (S[j] done)
+    P[j] = exp2(S c - lse log2e), masked off the band   (dP[j], dQ[j-1] run)
+    wait   until 1 pending                         (dP[j] done; dQ[j-1] runs)
+    dS[j] = P (dP - delta) -> A operand            (dQ[j-1] runs)
+    wait   until 0 pending; arrive empty[(j-1) % S]   (K[j-1] was last read by dQ[j-1])
+
+after the loop: dQ += dS[last] K[last], wait, arrive empty[last % S]. Slot ``j % S`` is held
+through step ``j + 1``, so the producer refills it with block ``j - 1 + S``: ``STAGES = 4`` keeps two
+blocks of prefetch. Without ``CARRY_DS`` (``STAGES = 2``, e.g. ``BLOCK_N = 128`` at d = 128, where a
+third 64 KB slot does not fit): issue S[j], dP[j]; wait until 1 pending; P[j] (dP[j] runs); wait
+until 0 pending; dS[j]; dQ += dS[j] K[j]; wait; arrive empty[j % S] -- the dQ product is exposed
+inside a consumer, the other consumer's elementwise work fills it (no CTA barrier in the loop:
+only the ``empty`` slots and the tail rendezvous tie the two warp groups, so they drift out of
+phase).
+
+Registers (d = 128, per consumer thread): dQ 64; at ``BLOCK_N = 64`` S and dP 32 each, the P / dS
+operands 16 each: far below 240. lse / delta / query positions are per row (2 registers each in
+the accumulator layout), loaded once before the loop.
+
+Tail block (``n_start + BLOCK_N > len_kv``; at most one per tile, the same step for both consumers):
+consumer 0 zeroes the slot's K rows past ``len_kv``, consumer 1 its V rows
+(`varlen_fwd_gluon._zero_v_tail`: generic stores, ``fence.proxy.async``, a barrier over the
+partition), then both arrive on ``zero_bar`` (count 2) and wait for it (parity ``ntail & 1``,
+``ntail`` the tail steps so far), so neither issues a wgmma on the slot before both halves are zero;
+the slot cannot be refilled before both consumers release it. Query rows past ``len_q`` (in Q / dO
+as TMA read them) only produce dQ rows that are never stored.
+
+A tile with ``num_blocks == 0`` loads nothing and stores zeros (``seq < 0``: stores nothing).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
+from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout
+from packattn.kernels.varlen_fwd_gluon_ws import _work_item
+
+WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
+
+
+@gluon.jit
+def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """`_work_item` of this program (heads vary fastest). ``OPAQUE_PID``: read the program id through
+    inline asm that LLVM may not merge with an earlier read, so that the consumers' epilogue decodes
+    the row again instead of keeping the first decode's scalars in registers across the main loop."""
+    if OPAQUE_PID:
+        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [num_heads_q], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+    else:
+        pid = gl.program_id(0)
+    return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,
+                      HEAD_DIM, BLOCK_N)
+
+
+# ---------------------------------------------------------------- producer
+@gluon.jit
+def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                    row_offsets_kv, num_heads_q, group_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
+    slot ``j % STAGES`` once both consumers released block ``j - STAGES`` there."""
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 HEAD_DIM, BLOCK_N)
+    if num_blocks > 0:
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+        for j in range(0, num_blocks):
+            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                           BLOCK_N)
+
+
+# ---------------------------------------------------------------- consumers
+@gluon.jit
+def _dq_ws_step(j, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar, lse_log2, delta, offs_m,
+                n_lo, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, CARRY_DS: gl.constexpr, WITH_PREV: gl.constexpr):
+    """Key block ``j`` of one consumer warp group (module docstring). ``CARRY_DS``: issue the previous
+    block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``) under this block's work and return
+    this block's dS as an A operand; otherwise finish this block's dQ product here. Returns
+    ``(dq, ds, ntail)`` with no wgmma in flight."""
+    slot = j % STAGES
+    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    n_start = n_lo + j * BLOCK_N
+    k_buf = k_bufs.index(slot)
+    v_buf = v_bufs.index(slot)
+    if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
+        if WG == 0:
+            _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
+        else:
+            _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
+        mbarrier.arrive(zero_bar, count=1)
+        mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
+        ntail += 1
+
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_wg, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if CARRY_DS and WITH_PREV:
+        prev = (j + STAGES - 1) % STAGES
+        dq_tok = warpgroup_mma(ds_prev, k_bufs.index(prev), dq, is_async=True)
+        s = warpgroup_mma_wait(2, deps=(s_tok, ))
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    p = _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+               window_right, chunk_size, BLOCK_N, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    if CARRY_DS and WITH_PREV:
+        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    else:
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = _to_operand(p * (dp - delta[:, None]), q_wg.dtype, o_layout)
+    if CARRY_DS:
+        if WITH_PREV:
+            dq, ds_prev = warpgroup_mma_wait(0, deps=(dq_tok, ds_prev))
+            mbarrier.arrive(empty.index(prev), count=1)  # K[j-1] (dQ[j-1]) and V[j-1] (dP[j-1]) are done
+    else:
+        dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_buf, dq, is_async=True), ds))
+        mbarrier.arrive(empty.index(slot), count=1)  # this consumer is done with the slot
+    return dq, ds, ntail
+
+
+@gluon.jit
+def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, window_left,
+                    window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
+                    WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                    TOP_LEFT: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
+    CARRY_DS: gl.constexpr = STAGES >= 3
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 HEAD_DIM, BLOCK_N)
+    q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    if num_blocks > 0:
+        first = q_start + WG * WG_ROWS
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        offs_m = first + gl.arange(0, WG_ROWS, layout=row_layout)
+        lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout)
+        delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
+        ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
+        mbarrier.wait(q_bar, 0)
+        if CARRY_DS:
+            dq, ds, ntail = _dq_ws_step(0, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
+                                        lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
+                                        qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
+                                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True,
+                                        False)
+            for j in range(1, num_blocks):
+                dq, ds, ntail = _dq_ws_step(j, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
+                                            lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
+                                            qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
+                                            WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                                            True, True)
+            last = (num_blocks - 1) % STAGES
+            dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
+            mbarrier.arrive(empty.index(last), count=1)
+        else:
+            for j in range(0, num_blocks):
+                dq, ds, ntail = _dq_ws_step(j, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
+                                            lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
+                                            qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
+                                            WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                                            False, False)
+
+    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 HEAD_DIM, BLOCK_N, True)
+    if seq >= 0:
+        # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
+        # with num_blocks == 0 no TMA was issued into them)
+        base = dQ + row0_q.to(gl.int64) * stride_dq_row + head.to(gl.int64) * stride_dq_head
+        _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
+
+
+@gluon.jit
+def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
+                           scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready,
+                           empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                           TOP_LEFT: gl.constexpr):
+    """The second consumer warp group (queries 64..127) as a worker partition."""
+    _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, window_left,
+                    window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 1,
+                    HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+
+
+# ---------------------------------------------------------------- kernel
+@gluon.jit
+def varlen_bwd_dq_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_dq_row, stride_dq_head, stride_lse_head,
+    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus the
+    register split; launch with ``num_warps = 4`` and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources`
+    says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc``
+    blocks ``[BLOCK_N, HEAD_DIM]``."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warp groups of 64 queries each")
+    gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "key block: 64 or 128 rows")
+    gl.static_assert(STAGES >= 2, "ring of at least two (K, V) slots")
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(zero_bar, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
+                           scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar,
+                           ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                           TOP_LEFT)),
+        (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                                  stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
+                                  qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs,
+                                  v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                  HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
+        (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                           row_offsets_kv, num_heads_q, group_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready,
+                           empty, HEAD_DIM, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
