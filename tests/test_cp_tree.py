@@ -107,6 +107,12 @@ def test_plan_refuses_what_it_cannot_do():
     small = _grpo_forest(groups=4, prompt_len=4, responses=2, response_len=4, seed=0)
     with pytest.raises(NotImplementedError, match="balance='zigzag'"):
         cp.plan(small, world=2, rank=0, balance="zigzag")
+
+    class DeviceMesh:  # stands in for a 2-D torch DeviceMesh (plan looks at the type name and ndim)
+        ndim = 2
+
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        cp.plan(small, DeviceMesh(), world=2, rank=0)
     plan = cp.plan(small, world=2, rank=0)
     q, k, v = _inputs(plan.num_local)
     with pytest.raises(ValueError, match="Tree defines its own mask"):

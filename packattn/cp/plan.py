@@ -150,6 +150,9 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
     if type(descriptor).__name__ == "Tree":
         from packattn.cp.tree import build_tree_plan  # local import: tree imports this module
 
+        if type(group).__name__ == "DeviceMesh" and group.ndim != 1:
+            raise ValueError("a Tree plan takes a process group or a 1-D DeviceMesh (no K/V is communicated, "
+                             "so no mesh dimensions are needed)")
         world, rank, group = _world_and_rank(group, world, rank)
         return build_tree_plan(descriptor, group, world, rank, strategy, balance)
     if not isinstance(descriptor, Varlen):

@@ -25,9 +25,6 @@ def build_tree_plan(tree, group, world: int, rank: int, strategy: str, balance: 
     if balance != "documents":
         raise NotImplementedError(f"balance={balance!r} cuts every sequence across ranks, which is not implemented "
                                   "for a Tree; balance='documents' keeps each root's subtree whole on one rank")
-    if type(group).__name__ == "DeviceMesh":
-        raise ValueError("a Tree plan takes a process group or a 1-D DeviceMesh (no K/V is communicated, "
-                         "so no mesh dimensions are needed)")
     cu = tree.cu_node_lens.cpu().long()
     parent = tree.node_parent.cpu().long()
     depth = tree.position_ids.cpu()
