@@ -58,23 +58,21 @@ class GluonBwdConfig:
                         + (["ws"] if self.warp_specialize else []))
 
 
-# Checked for sm_90a without a GPU (scripts/check_gluon_bwd_compile.py: shared memory, no spills, no
-# ptxas warnings, overlap in the TTGIR / PTX, every mask, bf16 / fp16) and timed on an H200
-# (results/2026-11-22/ab_gluon_bwd_h200.txt): dQ (128, 64, 4 stages) 1.03/1.04/1.01/1.19x the Triton dQ pass
-# on W1/W2/W4/W8 (the default of the triton backend); dK/dV 0.65-0.99x the Triton pass (opt-in only).
-# dK/dV at d = 128 holds dK + dV in 128 float32 registers per thread whatever the tile (a warp group
-# per 64 keys); with 64-query blocks the pipelined step needs ~260 and spills ~300 B (as the Triton
-# kernel at 64 x 128), so d = 128 streams 32-query blocks (~115 KB shared, 4 stages).
-# d = 128: the warp-specialised kernel (64 queries per step, 2 stages), the triton backend's dK/dV pass
-# on sm_90 (`triton_varlen.use_gluon_dkdv`): W1 2.114 -> 1.442 ms against the Triton pass
-# (results/2026-11-23/ab_gluon_dkdv_ws_h200_W1.txt). d = 64 keeps the non-specialised kernel (not timed
-# with ",ws"), so the Triton pass runs there.
+# Every config here compiles for sm_90a without spills or ptxas warnings, with the overlap visible in
+# the TTGIR / PTX, for every mask and bf16 / fp16 (scripts/check_gluon_bwd_compile.py). Timed on an H200:
+# dQ (128, 64, 4 stages) 1.03/1.04/1.01/1.19x the Triton dQ pass on W1/W2/W4/W8
+# (results/2026-11-22/ab_gluon_bwd_h200.txt): the default dQ of the triton backend on sm_90.
+# dK/dV at d = 128: the warp-specialised kernel (64 queries per step, 2 stages) is the triton backend's
+# pass on sm_90 (`triton_varlen.use_gluon_dkdv`): 1.32-1.50x the Triton pass on W1/W2/W4/W8
+# (results/2026-11-23/ab_gluon_dkdv_ws_h200_W1.txt, ..._W2_W4_W8.txt). d = 64 keeps the
+# non-specialised kernel here (",ws" at d = 64 is correct but not timed), so the Triton pass runs there.
 DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 128, 2, 8, True)}
 DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
-# Spill-free alternatives for A/B runs. (.., 64, .., 4 warps) dK/dV tiles: one warp group, <= 98 KB of
-# shared memory and <= 256 registers, so two CTAs share an SM and drift out of phase (one's
-# elementwise work hides the other's wgmma) -- the Triton dK/dV kernel's best shape (32 x 64, 4 warps).
-# Warp-specialised dK/dV (",ws", `varlen_bwd_gluon_ws`; not timed yet): 64-query blocks at d = 128 fit the
+# Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
+# registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
+# the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
+# share an SM and drift out of phase -- the Triton dK/dV kernel's best shape (32 x 64, 4 warps).
+# Warp-specialised dK/dV (",ws", `varlen_bwd_gluon_ws`): 64-query blocks at d = 128 fit the
 # consumers' 240 registers without spills (scripts/check_gluon_bwd_compile.py --kernels dkdv --config
 # 64,128,4,8,ws: every mask, bf16 / fp16, d 64 / 128; ~238 registers per consumer at d = 128, ~170 at d = 64);
 # d = 128 takes 64 KB (K, V) + 32 KB per stage of shared memory (195 KB at 4 stages), d = 64 half of it.
