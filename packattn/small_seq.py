@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from packattn.backends.small_seq import MAX_KEYS, dense_items, kernel_unsupported
+from packattn.backends.small_seq import MAX_KEYS, dense_items, kernel_unsupported, small_seq_fwd_call
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "small_seq", "reference")
@@ -52,7 +52,7 @@ def small_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
     if batch * seqlen_kv > _INT32_MAX:
         raise ValueError(f"{batch} items x {seqlen_kv} keys overflow the kernels' int32 row numbers")
     rows = batch * seqlen_kv
-    out, _, _ = torch.ops.packattn.small_seq_fwd(
+    out, _, _ = small_seq_fwd_call(
         q, k.reshape(rows, heads_kv, head_dim), v.reshape(rows, heads_kv, v.shape[-1]),
         dense_items(lengths, seqlen_kv), float(scale), False, False, seqlen_kv)
     return out

@@ -371,3 +371,49 @@ def test_torch_compile_keeps_one_graph():
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for got, want in zip(grads, torch.autograd.grad(step(q, k, v), (q, k, v), dout)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_eager_fast_path_equals_custom_op(monkeypatch):
+    # eager calls skip the custom-op machinery (packattn.backends.fast_op); with the op forced the
+    # kernels and their arguments are the same, so out, lse and every gradient are bitwise equal
+    from packattn.backends import fast_op
+
+    seqs, q, k, v, dout = make_inputs([9, 0, 20, 1], heads=(4, 2), pad=8)
+    dlse = torch.randn(4, seqs.total_q, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    used = []
+
+    def record(path):
+        def call(op, eager, *args):
+            used.append(path)
+            return op(*args) if path == "op" else eager(*args)
+        return call
+
+    results = {}
+    for path in ("eager", "op"):
+        monkeypatch.setattr(fast_op, "call", record(path))
+        out, lse = packattn.attention(q, k, v, seqs, causal=True, window=(5, 0), backend="triton", return_lse=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+        results[path] = (out, lse, *grads)
+    assert used == ["eager", "op"]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["eager"], results["op"]):
+        assert torch.equal(a, b), name
+
+
+def test_fast_op_uses_the_op_for_tensor_subclasses_and_under_compile(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from packattn.backends import fast_op
+
+    def op(*args):
+        return "op"
+
+    def eager(*args):
+        return "eager"
+
+    plain = torch.ones(2)
+    assert fast_op.call(op, eager, plain, [plain], 1.0) == "eager"
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(plain)
+        assert fast_op.call(op, eager, plain, [fake], 1.0) == "op"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fast_op.call(op, eager, plain) == "op"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from packattn.backends import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.backends.triton_varlen import _fix_interpreter_loop_bounds, _last_dim_contiguous
@@ -76,8 +77,7 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, head_dim: int) -> 
     kernel[(grid,)](*args, **constexprs, BLOCK_S=MAX_KEYS, num_warps=num_warps, num_stages=1)
 
 
-@torch.library.custom_op("packattn::small_seq_fwd", mutates_args=())
-def small_seq_fwd(
+def _small_seq_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
     scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,6 +101,9 @@ def small_seq_fwd(
     return out, lse, p
 
 
+small_seq_fwd = torch.library.custom_op("packattn::small_seq_fwd", _small_seq_fwd, mutates_args=())
+
+
 @small_seq_fwd.register_fake
 def _small_seq_fwd_fake(q, k, v, items, *rest):
     total_q, heads_q, _ = q.shape
@@ -108,8 +111,7 @@ def _small_seq_fwd_fake(q, k, v, items, *rest):
             q.new_empty((items.shape[1], heads_q, MAX_KEYS), dtype=torch.float32))
 
 
-@torch.library.custom_op("packattn::small_seq_bwd", mutates_args=())
-def small_seq_bwd(
+def _small_seq_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     p: torch.Tensor, items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,6 +137,9 @@ def small_seq_bwd(
     return dq, dk, dv
 
 
+small_seq_bwd = torch.library.custom_op("packattn::small_seq_bwd", _small_seq_bwd, mutates_args=())
+
+
 @small_seq_bwd.register_fake
 def _small_seq_bwd_fake(dout, dlse, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -148,15 +153,27 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term
 
 
-def _backward(ctx, dout, dlse, _dp):
-    q, k, v, p, items = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(q)
-    dq, dk, dv = small_seq_bwd(dout, dlse, q, k, v, p, items, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
+def _backward_through(bwd):
+    """The backward of ``packattn::small_seq_fwd`` computing its gradients with ``bwd`` (the
+    ``packattn::small_seq_bwd`` op, or its implementation on the eager path, `fast_op`)."""
+
+    def backward(ctx, dout, dlse, _dp):
+        q, k, v, p, items = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(q)
+        dq, dk, dv = bwd(dout, dlse, q, k, v, p, items, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
+
+    return backward
 
 
-small_seq_fwd.register_autograd(_backward, setup_context=_setup_context)
+small_seq_fwd.register_autograd(_backward_through(small_seq_bwd), setup_context=_setup_context)
+_SmallSeqFwdEager = fast_op.eager_function(_small_seq_fwd, _setup_context, _backward_through(_small_seq_bwd))
+
+
+def small_seq_fwd_call(*args):
+    """``packattn::small_seq_fwd(*args)`` through `fast_op.call` (a plain autograd function in eager mode)."""
+    return fast_op.call(small_seq_fwd, _SmallSeqFwdEager.apply, *args)
 
 
 # ---------------------------------------------------------------- backend
@@ -183,7 +200,7 @@ class SmallSeqBackend(TritonBackend):
 
     def run(self, problem: Problem):
         seqs = problem.seqs
-        out, lse, _ = torch.ops.packattn.small_seq_fwd(
+        out, lse, _ = small_seq_fwd_call(
             problem.q, problem.k, problem.v, item_table(seqs), problem.scale,
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, 0)
         return out, (lse if problem.return_lse else None)

@@ -67,7 +67,7 @@ class GluonBwdConfig:
 # (results/2026-11-23/ab_gluon_dkdv_ws_h200_W1.txt, ..._W2_W4_W8.txt). d = 64 keeps the
 # non-specialised kernel here (",ws" at d = 64 is correct but not timed), so the Triton pass runs there.
 DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 128, 2, 8, True)}
-DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4)}
+DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8, True)}
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
@@ -80,8 +80,8 @@ DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig
                         128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True)]}
 DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[64],
                      128: [GluonBwdConfig(32, 128, 4), GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
-# Warp-specialised dQ (",ws", `varlen_bwd_gluon_dq_ws`; opt-in until the GPU test suite has run with it):
-# H200 A/B (results/2026-11-23/ab_gluon_dq_ws_h200.txt), (128, 64, 4 stages) vs the default Gluon dQ:
+# Warp-specialised dQ (",ws", `varlen_bwd_gluon_dq_ws`; the default at d = 128 since 2026-11-23, fifth session):
+# H200 A/B (results/2026-11-23/ab_gluon_dq_ws_h200.txt), (128, 64, 4 stages) vs the non-specialised Gluon dQ:
 # W1 1.264 -> 1.088 ms, W2 2.393 -> 2.049, W4 3.005 -> 2.544 (1.15-1.18x); 43 nasty cases ok.
 # 128-query tiles, two consumer warp groups of 64 queries, (K, V) ring by a 1-warp producer. block_n 64
 # with >= 3 stages carries dS[j] into step j+1 (the non-specialised kernel's schedule); block_n 128

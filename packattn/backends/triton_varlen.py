@@ -11,8 +11,9 @@ exit. Rows are sorted longest-range-first so long documents do not start last.
 
 The forward and backward are ``torch.library.custom_op``s (``packattn::varlen_fwd`` /
 ``packattn::varlen_bwd``) with fake implementations and registered autograd, so torch.compile
-keeps them in one graph. The backward is deterministic by construction (no atomics; see
-`packattn.kernels.varlen_bwd`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
+keeps them in one graph; eager calls run the same implementations through a plain autograd
+function (`packattn.backends.fast_op`: the custom-op machinery costs host time). The backward is
+deterministic by construction (no atomics; see `packattn.kernels.varlen_bwd`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
 exact float32 products (no TF32), slower than TF32 on tensor cores.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from packattn import mask as masks
+from packattn.backends import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.varlen import Varlen
@@ -246,8 +248,7 @@ FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv"
 FWD_OPTIONS = ("window_left", "window_right", "chunk_size", "top_left", "padded_q", "padded_kv", "long_seqs", "gluon")
 
 
-@torch.library.custom_op("packattn::varlen_fwd", mutates_args=())
-def varlen_fwd(
+def _varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[torch.Tensor],
     pad_rows_q: torch.Tensor | None, pad_rows_kv: torch.Tensor | None, scale: float, options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,13 +353,15 @@ def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | Non
     return torch.empty(shape, dtype=dtype, device=device).index_fill_(dim, pad_rows, fill)
 
 
+varlen_fwd = torch.library.custom_op("packattn::varlen_fwd", _varlen_fwd, mutates_args=())
+
+
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, *rest):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("packattn::varlen_bwd", mutates_args=())
-def varlen_bwd(
+def _varlen_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
@@ -438,6 +441,14 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, key_end, sca
             dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TREE=tree), config)
 
 
+varlen_bwd = torch.library.custom_op("packattn::varlen_bwd", _varlen_bwd, mutates_args=())
+
+
+def varlen_bwd_call(*args):
+    """``packattn::varlen_bwd(*args)``, through `fast_op.call` (the implementation itself in eager mode)."""
+    return fast_op.call(varlen_bwd, _varlen_bwd, *args)
+
+
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -453,17 +464,25 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
-                            dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
-    # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
-    return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
+def _backward_through(bwd):
+    """The backward of ``packattn::varlen_fwd`` computing its gradients with ``bwd`` (the
+    ``packattn::varlen_bwd`` op, or its implementation on the eager path)."""
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = \
+            ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
+                         dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
+        # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
+        return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
+
+    return backward
 
 
-varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+varlen_fwd.register_autograd(_backward_through(varlen_bwd), setup_context=_setup_context)
+_VarlenFwdEager = fast_op.eager_function(_varlen_fwd, _setup_context, _backward_through(_varlen_bwd))
 
 
 def kernel_limits(params) -> str | None:
@@ -516,8 +535,8 @@ class TritonVarlenBackend(TritonBackend):
         rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q
         rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
         padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
-        out, lse = torch.ops.packattn.varlen_fwd(
-            q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
+        out, lse = fast_op.call(
+            varlen_fwd, _VarlenFwdEager.apply, q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
             seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None, scale,
             [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
              gluon],

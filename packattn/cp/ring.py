@@ -44,7 +44,7 @@ who adds it to its own step-0 gradient. Per step, two ways to get the step's dq/
   ``grad_out = w_s * dout`` and ``grad_lse = w_s * (rowsum(dout * (out_s - out)) + dlse)``,
   ``w_s = exp(lse_s - lse)`` (exactly the chain rule through the merge);
 * when the step resolves to backend ``"triton"`` (`packattn.dispatch`): the Triton backward
-  ``torch.ops.packattn.varlen_bwd`` with the GLOBAL out and lse, whose softmax and
+  ``packattn::varlen_bwd`` with the GLOBAL out and lse, whose softmax and
   ``delta = rowsum(dout * out) - dlse`` are then the global ones: no recompute.
 
 Reduction order is fixed (dq: steps in order; dK/dV of a row: its owner's step 0, then the ranks
@@ -262,7 +262,7 @@ def _use_triton(step: Step, q, k, v, backend: str, deterministic: bool) -> bool:
 
 
 def _step_grads_triton(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, scale: float):
-    """dq, dk, dv of one step from `torch.ops.packattn.varlen_bwd` with the global out and lse."""
+    """dq, dk, dv of one step from ``packattn::varlen_bwd`` with the global out and lse."""
     from packattn.backends import triton_varlen
 
     seqs, mask = step.seqs, step.mask
@@ -273,7 +273,7 @@ def _step_grads_triton(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, 
     dq_cfg = triton_varlen.launch_config("dq", head_dim, q_s.dtype, q_s.device)
     dq_tiles = triton_varlen.tile_table(seqs, mask, False, dq_cfg.block_m, dq_cfg.block_n)
     dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, *triton_varlen.dkdv_blocks(q_s, k_s, v_s))
-    dq, dk, dv = torch.ops.packattn.varlen_bwd(
+    dq, dk, dv = triton_varlen.varlen_bwd_call(
         dout_s, dlse_s, q_s, k_s, v_s, out_g, lse_g.float().contiguous(), seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
         seqs.cu_seqlens_q, seqs.cu_seqlens_kv, dq_tiles, dkdv_tiles, scale, mask.left, mask.right, 0,
         mask.align == "top_left", False, False)
