@@ -13,6 +13,12 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,4,8,ws         # warp-specialised
     python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8,ws           # warp-specialised dQ
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
+    python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: WS dK/dV (TREE) and tree dQ
+
+``--tree`` compiles the tree variants (`packattn.backends.triton_tree`) instead of the mask
+combinations: the warp-specialised dK/dV kernel with ``TREE=True`` and the tree dQ kernel
+(`packattn.kernels.tree_dq_gluon_ws`). They need a warp-specialised config (the launchers' at
+d = 128); other configs are reported as skipped.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
+from packattn.backends.triton_tree_gluon_dq import tree_dq_ws_resources  # noqa: E402
 from packattn.backends.triton_fwd_gluon import smem_layout  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
+from packattn.kernels.tree_dq_gluon_ws import tree_dq_gluon_ws_kernel  # noqa: E402
 from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +57,7 @@ SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
 KERNELS = {"dkdv": (varlen_bwd_dkdv_gluon_kernel, tb.dkdv_config),
            "dq": (varlen_bwd_dq_gluon_kernel, tb.dq_config)}
-INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv")
+INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "KeyEnd", "intervals")
 # a real launch gives these tt.divisibility = 16: 16-byte aligned tensors, (rows, heads, d) contiguous
 # strides (multiples of d), lse / delta rows a multiple of 16 (true of the workloads, not of every batch)
 ALIGNED = set(INT_POINTERS) | {"Lse", "Delta", "dK", "dV", "dQ", "stride_dk_row", "stride_dk_head", "stride_dv_row",
@@ -94,18 +102,23 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[-1500:]}"
 
 
-def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None):
-    """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``)."""
+def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False):
+    """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
+    the tree-mask variant (warp-specialised configs only; ``mask`` must be "")."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
+    if tree and (mask or not cfg.warp_specialize):
+        raise ValueError("the tree variants are warp-specialised kernels without another mask")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
-                      num_warps=cfg.num_warps)
+                      TREE=tree, num_warps=cfg.num_warps)
     options = {"num_warps": cfg.num_warps, "num_stages": 1}
     if cfg.warp_specialize:  # as `gluon_launch_dkdv` / `gluon_launch_dq` launch it
         if kernel == "dkdv":
             fn, res = varlen_bwd_dkdv_gluon_ws_kernel, tb.dkdv_ws_resources(cfg, head_dim)
+        elif tree:  # as `triton_tree_gluon_dq.gluon_tree_dq` launches it
+            fn, res = tree_dq_gluon_ws_kernel, tree_dq_ws_resources(cfg, head_dim)
         else:
             fn, res = varlen_bwd_dq_gluon_ws_kernel, tb.dq_ws_resources(cfg, head_dim)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
@@ -129,7 +142,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
         else:
             signature[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
-    src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
+    src = GluonASTSource(fn, signature, constants, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return cfg, compiled
 
@@ -187,16 +201,22 @@ def main() -> int:
                         help="block_m,block_n,stages,num_warps[,ws] instead of the launcher's table, e.g. 64,64,3,4 "
                              "or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws (warp-specialised dQ)")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
+    parser.add_argument("--tree", action="store_true",
+                        help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
     failures = 0
     for kernel in args.kernels:
         for dtype_name in args.dtypes:
             for head_dim in args.head_dims:
-                for mask in args.masks:
-                    label = f"{kernel:4s} {dtype_name} d={head_dim} mask={mask or '-':4s}"
+                for mask in [""] if args.tree else args.masks:
+                    mask_name = "tree" if args.tree else mask
+                    label = f"{kernel:4s} {dtype_name} d={head_dim} mask={mask_name or '-':4s}"
+                    if args.tree and not (config or KERNELS[kernel][1](head_dim)).warp_specialize:
+                        print(f"{label}: skipped (the tree variant needs a warp-specialised config)", flush=True)
+                        continue
                     try:
-                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config)
+                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config, args.tree)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -226,7 +246,7 @@ def main() -> int:
                         print(f"    ptxas: {w}", flush=True)
                     if args.dump:
                         os.makedirs(args.dump, exist_ok=True)
-                        stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask or 'none'}_"
+                        stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
                                                        f"{'_ws' if cfg.warp_specialize else ''}")
                         for ext in ("ttgir", "ptx"):

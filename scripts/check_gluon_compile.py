@@ -226,8 +226,19 @@ def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | 
     try:
         cfg, compiled = compile_variant(dtype_name, head_dim, mask, config)
     except Exception as e:  # report and go on
-        return True, (f"{label} [{config_text or 'default'}]: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
-                      f"    cause: {_root_cause(e)}")
+        return True, failure_report(f"{label} [{config_text or 'default'}]", e)
+    stem = f"{dtype_name}_d{head_dim}_{mask or 'none'}_{cfg.label().replace(',', '_')}"
+    return compiled_report(compiled, f"{label} [{cfg.label()}]", stem, dump)
+
+
+def failure_report(label: str, e: BaseException) -> str:
+    """Report text of a variant that did not compile."""
+    return f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n    cause: {_root_cause(e)}"
+
+
+def compiled_report(compiled, label: str, stem: str, dump: str | None = None) -> tuple[bool, str]:
+    """Check one compiled kernel (`check_variant`'s checks): ``(problem, report text)``; with ``dump``
+    its ttgir / ptx are written to ``dump/stem.{ttgir,ptx}``."""
     shared = compiled.metadata.shared
     usage, warnings = ptxas_report(compiled.asm["ptx"])
     ok, detail, loops = overlap_proof(compiled)
@@ -235,7 +246,7 @@ def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | 
     spills = re.search(r"(\d+) bytes spill stores", usage)
     over = [r for r in regions if r[1] > r[0]]
     bad = shared > SHARED_LIMIT or not ok or bool(warnings) or bool(spills and int(spills.group(1)) > 0) or bool(over)
-    lines = [f"{label} [{cfg.label()}]: shared={shared}{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}",
+    lines = [f"{label}: shared={shared}{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}",
              f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
     if regions:
         lines.append("    partitions (setmaxnreg budget: registers used / SASS instructions): "
@@ -246,9 +257,8 @@ def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | 
     lines += [f"    ptxas: {w}" for w in warnings]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        stem = os.path.join(dump, f"{dtype_name}_d{head_dim}_{mask or 'none'}_{cfg.label().replace(',', '_')}")
         for ext in ("ttgir", "ptx"):
-            with open(f"{stem}.{ext}", "w") as f:
+            with open(os.path.join(dump, f"{stem}.{ext}"), "w") as f:
                 f.write(compiled.asm[ext])
     return bad, "\n".join(lines)
 

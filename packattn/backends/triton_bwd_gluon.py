@@ -25,8 +25,9 @@ warp-specialised `gluon_launch_dkdv` (`use_gluon_dkdv`; its key tile table is bu
 with `dkdv_blocks`). Both decisions depend only on dtypes, shapes, device and the environment, so
 the forward and the backward agree; ``PACKATTN_TRITON_BWD=triton`` keeps the Triton passes.
 `gluon_varlen_bwd` (every pass in Gluon, with this module's configs) serves A/B runs
-(`benchmarks/ab_gluon_bwd.py`). The tree backward (`triton_tree`, ``launch_dkdv(..., tree=True)``)
-stays on Triton.
+(`benchmarks/ab_gluon_bwd.py`). The tree backward (`triton_tree`) runs the warp-specialised dK/dV
+with the tree mask (`gluon_launch_dkdv(..., key_end=...)`) where `use_gluon_dkdv` says so, the
+Triton ``launch_dkdv(..., tree=True)`` otherwise.
 """
 
 from __future__ import annotations
@@ -191,12 +192,14 @@ def _mask_constexprs(mask_args, top_left: bool) -> dict:
 
 
 def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
-                      top_left: bool) -> None:
+                      top_left: bool, key_end: torch.Tensor | None = None) -> None:
     """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`, or `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`
     when the config says ``warp_specialize``), one program per (key tile, kv head). ``tiles``
     built with ``dkdv_config(d).block_n`` keys per tile and ``.block_m`` as the query step; ``lse`` /
     ``delta`` float32 ``(heads_q, rows)`` with row stride 1; ``dk`` / ``dv`` written on the rows of
-    sequences only (the caller fills padding rows)."""
+    sequences only (the caller fills padding rows). ``key_end`` (int32 `Tree.row_subtree_end`): the
+    tree mask (warp-specialised kernel only; ``tiles`` from `triton_tree.build_key_tiles`, ``seq_args``
+    one sequence of all rows); ``mask_args`` / ``top_left`` are then ignored."""
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
 
     heads_kv = k.shape[1]
@@ -210,21 +213,27 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
     q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
     lse, delta = lse.contiguous(), delta.contiguous()
     cfg = dkdv_config(q.shape[-1])
-    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-            _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-            heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args)
+    tree = key_end is not None
+    if tree:
+        if not cfg.warp_specialize:
+            raise ValueError(f"the tree mask needs the warp-specialised dK/dV kernel (config {cfg.label()})")
+        mask_args, top_left = (-1, -1, 0), False  # no window / chunk: the constexprs select the tree mask alone
+    tensors = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+               _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args)
+    scalars = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+               heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(mask_args, top_left))
     if cfg.warp_specialize:
         from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel
 
         res = dkdv_ws_resources(cfg, q.shape[-1])
-        varlen_bwd_dkdv_gluon_ws_kernel[grid](*args, **blocks, CONSUMER_REGS=res["consumer_regs"],
-                                              PRODUCER_REGS=res["producer_regs"], num_warps=4,
-                                              maxnreg=res["maxnreg"])
+        key_end = key_end if tree else tiles  # KeyEnd: any int32 pointer without the tree mask
+        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, **blocks, TREE=tree,
+                                              CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+                                              num_warps=4, maxnreg=res["maxnreg"])
         return
-    varlen_bwd_dkdv_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)
+    varlen_bwd_dkdv_gluon_kernel[grid](*tensors, *scalars, **blocks, num_warps=cfg.num_warps)
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool) -> None:

@@ -246,6 +246,17 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def ws_grid(device: torch.device, cfg: GluonConfig, num_work: int, resources: dict,
+            max_programs: int | None = None) -> int:
+    """Programs of a warp-specialised launch: one per work item, or with ``cfg.persistent``
+    ``ctas_per_sm x SMs`` of them looping over the work items (at most ``max_programs``)."""
+    if not cfg.persistent:
+        return num_work
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grid = min(num_work, resources["ctas_per_sm"] * _num_sms(index))
+    return grid if max_programs is None else max(1, min(grid, max_programs))
+
+
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
               row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor, q_tiles: torch.Tensor,
@@ -292,13 +303,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         )
         return out, lse
     res = ws_resources(cfg, head_dim)
-    grid = num_work
-    if cfg.persistent:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        grid = min(num_work, res["ctas_per_sm"] * _num_sms(index))
-        if max_programs is not None:
-            grid = max(1, min(grid, max_programs))
-    varlen_fwd_gluon_ws_kernel[(grid,)](
+    varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
         *args, num_work, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         num_warps=4, maxnreg=res["maxnreg"],

@@ -1,7 +1,11 @@
 """Triton tree attention (`packattn.Tree`): tables, launchers, ``torch.library`` custom ops, the backend.
 
 Kernels: `packattn.kernels.tree` (forward, dQ) and `packattn.kernels.varlen_bwd.bwd_dkdv_kernel`
-with ``TREE=True`` (dK/dV). The tree is one "sequence" of ``total`` rows; key ``s`` is visible
+with ``TREE=True`` (dK/dV); on sm_90 (fp16 / bf16) the warp-specialised Gluon kernels instead where
+they apply: forward `packattn.backends.triton_tree_gluon` (head dims 64 / 128), dK/dV
+`triton_bwd_gluon.gluon_launch_dkdv(..., key_end=...)` and dQ `packattn.backends.triton_tree_gluon_dq`
+(head dim 128). Each choice depends only on dtypes, shapes, device and the environment, so the
+forward (which builds the tables for the chosen kernels) and the backward agree. The tree is one "sequence" of ``total`` rows; key ``s`` is visible
 to queries ``s <= t < key_end[s]`` with ``key_end = tree.row_subtree_end()``.
 
 Tables, built once per tree and block size with device ops (cached on the `Tree`, no host sync):
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from packattn.backends import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported
 from packattn.backends.triton_varlen import (
@@ -75,23 +80,35 @@ def build_key_tiles(key_end: torch.Tensor, total: int, block_n: int, step: int) 
     return table.to(torch.int32).contiguous()
 
 
-def tree_tables(tree, head_dim: int, dtype: torch.dtype, device: torch.device, need_grad: bool) -> tuple:
-    """(key_end, fwd tiles, fwd intervals, dq tiles, dq intervals, dkdv tiles, extents), cached on the tree."""
-    fwd = launch_config("fwd", head_dim, dtype, device)
+def tree_tables(tree, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_grad: bool) -> tuple:
+    """(key_end, fwd tiles, fwd intervals, dq tiles, dq intervals, dkdv tiles, extents), cached on the tree.
+    The dK/dV key tiles are built for the pass `tree_bwd` runs on these tensors (`dkdv_blocks`: the Gluon
+    warp-specialised one where `use_gluon_dkdv`, the Triton one otherwise): both sides decide from
+    dtypes, shapes, device and the environment only, so they agree. The dQ tables serve the Triton and
+    the Gluon tree dQ alike (`use_gluon_tree_dq` requires the Gluon blocks to be ``launch_config``'s)."""
+    from packattn.backends.triton_tree_gluon import tree_fwd_blocks, use_gluon_tree_fwd
+    from packattn.backends.triton_varlen import dkdv_blocks
+
+    head_dim, dtype, device = q.shape[-1], q.dtype, q.device
+    if use_gluon_tree_fwd(q, k, v):
+        fwd_blocks = tree_fwd_blocks(head_dim)
+    else:
+        fwd = launch_config("fwd", head_dim, dtype, device)
+        fwd_blocks = (fwd.block_m, fwd.block_n)
     dq = launch_config("dq", head_dim, dtype, device)
-    dkdv = launch_config("dkdv", head_dim, dtype, device)
+    dkdv_keys, dkdv_step = dkdv_blocks(q, k, v)
     total = tree.total
     key_end = tree.cached("triton_tree_key_end", lambda: tree.row_subtree_end().to(torch.int32).contiguous())
 
-    def query_tables(cfg):
-        return tree.cached(("triton_tree_query_tiles", cfg.block_m, cfg.block_n),
-                           lambda: build_query_tiles(key_end, total, cfg.block_m, cfg.block_n))
+    def query_tables(block_m: int, block_n: int):
+        return tree.cached(("triton_tree_query_tiles", block_m, block_n),
+                           lambda: build_query_tiles(key_end, total, block_m, block_n))
 
-    fwd_tiles, fwd_intervals = query_tables(fwd)
+    fwd_tiles, fwd_intervals = query_tables(*fwd_blocks)
     if need_grad:
-        dq_tiles, dq_intervals = query_tables(dq)
-        dkdv_tiles = tree.cached(("triton_tree_key_tiles", dkdv.block_n, dkdv.block_m),
-                                 lambda: build_key_tiles(key_end, total, dkdv.block_n, dkdv.block_m))
+        dq_tiles, dq_intervals = query_tables(dq.block_m, dq.block_n)
+        dkdv_tiles = tree.cached(("triton_tree_key_tiles", dkdv_keys, dkdv_step),
+                                 lambda: build_key_tiles(key_end, total, dkdv_keys, dkdv_step))
     else:
         dq_tiles, dq_intervals, dkdv_tiles = fwd_tiles[:0], fwd_intervals[:0], fwd_tiles.new_empty(0, 6)
     # the dK/dV kernel reads the tree as one sequence of `total` rows
@@ -102,15 +119,17 @@ def tree_tables(tree, head_dim: int, dtype: torch.dtype, device: torch.device, n
 
 
 # ---------------------------------------------------------------- custom ops
-@torch.library.custom_op("packattn::tree_fwd", mutates_args=())
-def tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[torch.Tensor], scale: float,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[torch.Tensor], scale: float,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``tables``: ``key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles,
     cu_rows, row0`` (`tree_tables`; the dq/dkdv tables and ``cu_rows``/``row0`` are carried for the
     backward). One list, not eight arguments: see `triton_varlen.FWD_TABLES`."""
+    from packattn.backends.triton_tree_gluon import gluon_tree_fwd, use_gluon_tree_fwd
     from packattn.kernels.tree import tree_fwd_kernel
 
     key_end, fwd_tiles, fwd_intervals = tables[:3]
+    if use_gluon_tree_fwd(q, k, v):  # the tables were built for it (`tree_tables`)
+        return gluon_tree_fwd(q, k, v, key_end, fwd_tiles, fwd_intervals, scale)
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total, heads_q, head_dim = q.shape
@@ -127,19 +146,24 @@ def tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[tor
     return out, lse
 
 
+tree_fwd = torch.library.custom_op("packattn::tree_fwd", _tree_fwd, mutates_args=())
+
+
 @tree_fwd.register_fake
 def _tree_fwd_fake(q, *rest):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("packattn::tree_bwd", mutates_args=())
-def tree_bwd(
+def _tree_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, key_end: torch.Tensor, dq_tiles: torch.Tensor, dq_intervals: torch.Tensor,
     dkdv_tiles: torch.Tensor, cu_rows: torch.Tensor, row0: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``, deterministic (no atomics): the varlen dK/dV pass with the tree mask and a
-    dQ pass over the query tiles' intervals."""
+    dQ pass over the query tiles' intervals; on sm_90 the Gluon warp-specialised kernels where
+    `use_gluon_dkdv` / `use_gluon_tree_dq` say so (the tables were built for them, `tree_tables`)."""
+    from packattn.backends.triton_tree_gluon_dq import gluon_tree_dq, use_gluon_tree_dq
+    from packattn.backends.triton_varlen import use_gluon_dkdv
     from packattn.kernels.tree import tree_dq_kernel
 
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
@@ -149,8 +173,18 @@ def tree_bwd(
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
                   HAS_LEFT=False, HAS_RIGHT=False, HAS_CHUNK=False, TOP_LEFT=False)
-    launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, (cu_rows, cu_rows, row0, row0), key_end, scale,
-                (0, 0, 0), common, tree=True)
+    seq_args = (cu_rows, cu_rows, row0, row0)  # the tree as one sequence of all rows
+    if use_gluon_dkdv(q, k, v):
+        from packattn.backends.triton_bwd_gluon import gluon_launch_dkdv
+
+        gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, (-1, -1, 0), False,
+                          key_end=key_end)
+    else:
+        launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, key_end, scale, (0, 0, 0), common,
+                    tree=True)
+    if use_gluon_tree_dq(q, k, v):  # same blocks as the Triton dQ: the dq tables fit both
+        gluon_tree_dq(q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end, scale)
+        return dq, dk, dv
     config = launch_config("dq", head_dim, q.dtype, q.device)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -160,6 +194,9 @@ def tree_bwd(
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  INPUT_PRECISION=_precision(q.dtype)), config)
     return dq, dk, dv
+
+
+tree_bwd = torch.library.custom_op("packattn::tree_bwd", _tree_bwd, mutates_args=())
 
 
 @tree_bwd.register_fake
@@ -176,16 +213,23 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0 = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = tree_bwd(dout, dlse, q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0,
-                          ctx.scale)
-    return dq, dk, dv, [None] * 8, None  # the structure of the inputs (q, k, v, tables, scale)
+def _backward_through(bwd):
+    """The backward of ``packattn::tree_fwd`` computing its gradients with ``bwd`` (the
+    ``packattn::tree_bwd`` op, or its implementation on the eager path, `fast_op`)."""
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0 = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0,
+                         ctx.scale)
+        return dq, dk, dv, [None] * 8, None  # the structure of the inputs (q, k, v, tables, scale)
+
+    return backward
 
 
-tree_fwd.register_autograd(_backward, setup_context=_setup_context)
+tree_fwd.register_autograd(_backward_through(tree_bwd), setup_context=_setup_context)
+_TreeFwdEager = fast_op.eager_function(_tree_fwd, _setup_context, _backward_through(_tree_bwd))
 
 
 # ---------------------------------------------------------------- backend
@@ -212,7 +256,7 @@ class TritonTreeBackend(TritonBackend):
             q, scale = -q, -scale
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, (cu_rows, row0) = tree_tables(
-            tree, q.shape[-1], q.dtype, q.device, need_grad)
-        out, lse = torch.ops.packattn.tree_fwd(
-            q, k, v, [key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0], scale)
+            tree, q, k, v, need_grad)
+        out, lse = fast_op.call(
+            tree_fwd, _TreeFwdEager.apply, q, k, v, [key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0], scale)
         return out, (lse if problem.return_lse else None)

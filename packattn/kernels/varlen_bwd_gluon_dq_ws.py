@@ -77,16 +77,23 @@ WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 
 
 
 @gluon.jit
-def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
-    """`_work_item` of this program (heads vary fastest). ``OPAQUE_PID``: read the program id through
-    inline asm that LLVM may not merge with an earlier read, so that the consumers' epilogue decodes
-    the row again instead of keeping the first decode's scalars in registers across the main loop."""
+def _program_id(like, OPAQUE_PID: gl.constexpr):
+    """The program id; ``OPAQUE_PID``: read through inline asm that LLVM may not merge with an earlier
+    read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
+    the tile row again instead of keeping the first decode's scalars in registers across the main loop."""
     if OPAQUE_PID:
-        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [num_heads_q], dtype=gl.int32,
-                                        is_pure=False, pack=1)
+        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False,
+                                        pack=1)
     else:
         pid = gl.program_id(0)
+    return pid
+
+
+@gluon.jit
+def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """`_work_item` of this program (heads vary fastest); ``OPAQUE_PID``: see `_program_id`."""
+    pid = _program_id(num_heads_q, OPAQUE_PID)
     return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,
                       HEAD_DIM, BLOCK_N)
 
@@ -113,18 +120,35 @@ def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seq
 
 # ---------------------------------------------------------------- consumers
 @gluon.jit
-def _dq_ws_step(j, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar, lse_log2, delta, offs_m,
-                n_lo, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+def _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, ends, qk_scale_log2, BLOCK_N: gl.constexpr,
+                s_layout: gl.constexpr):
+    """`varlen_bwd_gluon._probs` with the tree mask (`packattn.kernels.tree`): query ``t`` sees key ``s``
+    iff ``s <= t < key_end[s]``; ``ends``: shared memory holding ``key_end`` of the block's keys (0 past
+    the tree: no query sees them), read only in masked blocks."""
+    p = gl.exp2(s * qk_scale_log2 - lse_log2[:, None])
+    if (n_start < n_mid_lo) | (n_start >= n_mid_hi):
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        key_end = ends.load(gl.SliceLayout(0, s_layout))
+        ok = (keys[None, :] <= offs_m[:, None]) & (offs_m[:, None] < key_end[None, :])
+        p = gl.where(ok, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
+                lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right,
+                chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, CARRY_DS: gl.constexpr, WITH_PREV: gl.constexpr):
-    """Key block ``j`` of one consumer warp group (module docstring). ``CARRY_DS``: issue the previous
-    block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``) under this block's work and return
-    this block's dS as an A operand; otherwise finish this block's dQ product here. Returns
-    ``(dq, ds, ntail)`` with no wgmma in flight."""
+                HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
+                WITH_PREV: gl.constexpr):
+    """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
+    ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
+    under this block's work and return this block's dS as an A operand; otherwise finish this block's
+    dQ product here. ``TREE``: the tree mask (`_probs_tree`, ``key_ends``: the ring of the blocks'
+    ``key_end``), else the varlen masks (``key_ends`` unused). Returns ``(dq, ds, ntail)`` with no
+    wgmma in flight."""
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-    n_start = n_lo + j * BLOCK_N
     k_buf = k_bufs.index(slot)
     v_buf = v_bufs.index(slot)
     if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
@@ -145,8 +169,12 @@ def _dq_ws_step(j, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty
         s = warpgroup_mma_wait(2, deps=(s_tok, ))
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    p = _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
-               window_right, chunk_size, BLOCK_N, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    if TREE:
+        p = _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, key_ends.index(slot), qk_scale_log2,
+                        BLOCK_N, s_layout)
+    else:
+        p = _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
+                   window_right, chunk_size, BLOCK_N, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
     if CARRY_DS and WITH_PREV:
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
     else:
@@ -163,6 +191,43 @@ def _dq_ws_step(j, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty
 
 
 @gluon.jit
+def _dq_ws_blocks(j0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
+                  empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
+                  chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
+    """The ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` of one key range (fully visible band
+    ``[n_mid_lo, n_mid_hi)``) as ring steps ``j0 + b`` of one consumer warp group: with ``CARRY_DS``
+    (``STAGES >= 3``) dS crosses from block to block and the range's last dQ product is finished (and
+    its slot released) here, so no dS is carried out of the range. Returns ``(dq, ntail)``, no wgmma
+    in flight. The varlen kernel walks one range per tile (``j0 = 0``); the tree kernel
+    (`tree_dq_gluon_ws`) one per key interval of its tile."""
+    CARRY_DS: gl.constexpr = STAGES >= 3
+    if CARRY_DS:
+        dq, ds, ntail = _dq_ws_step(j0, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty,
+                                    zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
+                                    window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
+                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, True, False)
+        for b in range(1, num_blocks):
+            dq, ds, ntail = _dq_ws_step(j0 + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                                        key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
+                                        len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                                        o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                        TOP_LEFT, TREE, True, True)
+        last = (j0 + num_blocks - 1) % STAGES
+        dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
+        mbarrier.arrive(empty.index(last), count=1)
+    else:
+        for b in range(0, num_blocks):
+            dq, ds, ntail = _dq_ws_step(j0 + b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                                        key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
+                                        len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                                        o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                        TOP_LEFT, TREE, False, False)
+    return dq, ntail
+
+
+@gluon.jit
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, window_left,
                     window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
@@ -170,7 +235,6 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
                     TOP_LEFT: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
-    CARRY_DS: gl.constexpr = STAGES >= 3
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
@@ -187,28 +251,10 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
         ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
         mbarrier.wait(q_bar, 0)
-        if CARRY_DS:
-            dq, ds, ntail = _dq_ws_step(0, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
-                                        lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
-                                        qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
-                                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True,
-                                        False)
-            for j in range(1, num_blocks):
-                dq, ds, ntail = _dq_ws_step(j, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
-                                            lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
-                                            qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
-                                            WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                            True, True)
-            last = (num_blocks - 1) % STAGES
-            dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
-            mbarrier.arrive(empty.index(last), count=1)
-        else:
-            for j in range(0, num_blocks):
-                dq, ds, ntail = _dq_ws_step(j, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty, zero_bar,
-                                            lse_log2, delta, offs_m, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
-                                            qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
-                                            WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                            False, False)
+        dq, ntail = _dq_ws_blocks(0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None,
+                                  ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
+                                  window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
+                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False)
 
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \

@@ -69,6 +69,13 @@ those query columns then get finite P^T (1 in the unmasked band, 0 in masked blo
 includes ``q < len_q``) and dP^T = dS^T = 0, and their Q / dO rows are zero, so they add nothing.
 
 A tile with ``total == 0`` loads nothing and stores zeros.
+
+``TREE`` (`packattn.backends.triton_tree`): the sequence is a packed trie (`packattn.Tree`, one
+sequence of ``total`` rows: ``cu_seqlens = [0, total]``, row offsets 0), key ``s`` visible to the
+queries ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only the per-key bounds
+change (`_query_range_of_tree_keys` instead of `_query_range_of_keys`); the tile table
+(`triton_tree.build_key_tiles`: the queries ``[k_start, max key_end)`` of the tile, the band where
+every pair is visible), the unmasked band, the tails and the schedule are the varlen ones.
 """
 
 from triton.experimental import gluon
@@ -187,6 +194,29 @@ def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk
 
 
 @gluon.jit
+def _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv):
+    """The tree mask's `_query_range_of_keys` (`packattn.kernels.tree`): key ``k`` is visible to the
+    queries ``[k, key_end[k])`` (``KeyEnd``: int32 `Tree.row_subtree_end`, indexed by position in the
+    tree, which is one sequence), clipped to ``len_q``; a key at or past ``len_kv`` gets ``q_hi = 0
+    <= q_lo`` (no query). One load per key, once per consumer: the loop compares with the two bounds
+    as for the other masks."""
+    ends = gl.load(KeyEnd + offs_k, mask=offs_k < len_kv, other=0)
+    return offs_k, gl.minimum(ends, len_q)
+
+
+@gluon.jit
+def _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
+    """``(q_lo, q_hi)`` per key: `_query_range_of_tree_keys` with ``TREE``, else `_query_range_of_keys`."""
+    if TREE:
+        q_lo, q_hi = _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv)
+    else:
+        q_lo, q_hi = _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    return q_lo, q_hi
+
+
+@gluon.jit
 def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M: gl.constexpr,
                 s_layout: gl.constexpr):
     """`varlen_bwd_gluon._probs_t` with the per-key bounds of `_query_range_of_keys`. ``cols``: shared
@@ -240,12 +270,12 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
 
 
 @gluon.jit
-def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
-                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2, scale,
-                      window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats,
-                      kv_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                      TOP_LEFT: gl.constexpr):
+def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+                      stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
+                      do_bufs, stats, kv_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
@@ -258,8 +288,8 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
     if total > 0:
         offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
-        q_lo, q_hi = _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+        q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
         cols = col_smem.index(WG)
         cols.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
         gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
@@ -291,34 +321,38 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
 
 
 @gluon.jit
-def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
-                             stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2,
-                             scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
-                             stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+                             stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                             qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                             q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
+                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                             HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                             TREE: gl.constexpr):
     """The second consumer warp group (keys 64..127) as a worker partition."""
-    _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
+    _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2, scale,
                       window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar,
-                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                      TREE)
 
 
 # ---------------------------------------------------------------- kernel
 @gluon.jit
 def varlen_bwd_dkdv_gluon_ws_kernel(
     q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
-    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
     num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
 ):
-    """Warp-specialised `varlen_bwd_dkdv_gluon_kernel` (module docstring), same arguments plus the
-    register split; launch with ``num_warps = 4`` and ``maxnreg`` as
+    """Warp-specialised `varlen_bwd_dkdv_gluon_kernel` (module docstring), same arguments plus ``KeyEnd``,
+    the register split and ``TREE``; launch with ``num_warps = 4`` and ``maxnreg`` as
     `triton_bwd_gluon.dkdv_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks
-    ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``."""
+    ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``TREE``: the tree
+    mask (module docstring), ``KeyEnd`` int32 `Tree.row_subtree_end`; otherwise ``KeyEnd`` is unused
+    (any int32 pointer) and the ``HAS_*`` / ``TOP_LEFT`` mask applies."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert(BLOCK_N == 2 * WG_KEYS, "two consumer warp groups of 64 keys each")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
@@ -343,16 +377,16 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dk_row,
-                             stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2,
-                             scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
-                             stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                             HAS_CHUNK, TOP_LEFT)),
-        (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+        (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+                             stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                             qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                             q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
+        (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                                     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
                                     group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
                                     v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM,
-                                    BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
+                                    BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
         (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
                              row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size, k_smem, v_smem,
                              q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM, BLOCK_M, STAGES)),

@@ -128,17 +128,33 @@ def _softmax_block(s, m_i, l_i, offs_m, keys, len_q, len_kv, qk_scale_log2, wind
     if MASKED:
         ok = _visible(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
                       HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-        s = gl.where(ok, s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_sub[:, None])
+        p, alpha, m_new, l_new = _softmax_masked(s, ok, m_i, l_i, qk_scale_log2)
     else:
-        # all scores finite, scale >= 0: max(s) * c is the scaled row max, one FMA per score
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
-        m_sub = m_new
-        p = gl.exp2(s * qk_scale_log2 - m_sub[:, None])
+        p, alpha, m_new, l_new = _softmax_full(s, m_i, l_i, qk_scale_log2)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _softmax_masked(s, ok, m_i, l_i, qk_scale_log2):
+    """`_softmax_block` of a block whose visible scores are where ``ok`` (any boolean mask of ``s``'s
+    shape and layout): scale, mask to -inf, then max."""
+    s = gl.where(ok, s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _softmax_full(s, m_i, l_i, qk_scale_log2):
+    """`_softmax_block` of a block whose every score is visible (no element mask)."""
+    # all scores finite, scale >= 0: max(s) * c is the scaled row max, one FMA per score
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
+    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 

@@ -59,6 +59,15 @@ def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
 
 
 @gluon.jit
+def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
+    """Producer: TMA the tile's Q (rows ``row ...``, column ``col``) onto ``q_bar`` once the consumers
+    released the previous tile's Q on ``q_empty`` (``loads_q``: Q loads issued before this one)."""
+    mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+
+
+@gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                  num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
@@ -77,9 +86,7 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
                 mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
                 _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
                                col_kv, block + num_blocks, STAGES, BLOCK_N)
-            mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row0_q + q_start, head * HEAD_DIM)
             for b in range(first, num_blocks):
                 mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
                 _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
@@ -146,6 +153,35 @@ def _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, str
 
 
 @gluon.jit
+def _ws_tile_start(q_wg_start, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr):
+    """Fresh state of one consumer's 64 query rows ``q_wg_start ...``: ``(offs_m, offs_n, m_i, l_i, acc)``
+    (row positions, key offsets within a block, running max / sum, output accumulator)."""
+    offs_m = q_wg_start + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    return offs_m, offs_n, m_i, l_i, acc
+
+
+@gluon.jit
+def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row,
+                 stride_o_head, stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 DIRECT_STORE: gl.constexpr):
+    """Store one consumer's 64 rows (those before ``len_q``): from registers with ``DIRECT_STORE`` (Q
+    was released already), else staged through the consumer's rows of Q's buffer, then release Q."""
+    if DIRECT_STORE:
+        _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
+                          stride_lse_head, o_layout, 64, HEAD_DIM)
+    else:
+        _store_out(acc, m_i, l_i, q_wg, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
+                   stride_lse_head, o_layout, 64, HEAD_DIM, 4)
+        fence_async_shared()  # generic writes to Q's buffer before the producer's next TMA into it
+        mbarrier.arrive(q_empty, count=1)
+
+
+@gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
@@ -165,11 +201,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             HEAD_DIM, BLOCK_N)
         if seq >= 0:
             q_wg_start = q_start + WG * 64
-            offs_m = q_wg_start + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+            offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
             mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
             if num_blocks > 0:
                 acc, m_i, l_i = _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, block, m_i, l_i, acc, offs_m,
@@ -179,14 +211,8 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                                            DIRECT_STORE)
             elif DIRECT_STORE:
                 mbarrier.arrive(q_empty, count=1)
-            if DIRECT_STORE:
-                _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
-                                  stride_o_row, stride_o_head, stride_lse_head, o_layout, 64, HEAD_DIM)
-            else:
-                _store_out(acc, m_i, l_i, q_wg, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
-                           stride_o_row, stride_o_head, stride_lse_head, o_layout, 64, HEAD_DIM, 4)
-                fence_async_shared()  # generic writes to Q's buffer before the producer's next TMA into it
-                mbarrier.arrive(q_empty, count=1)
+            _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
+                         stride_o_row, stride_o_head, stride_lse_head, o_layout, HEAD_DIM, DIRECT_STORE)
             block += num_blocks
             loads_q += 1
 
@@ -203,6 +229,27 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N,
                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)
+
+
+@gluon.jit
+def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """Shared memory of the warp-specialised forward, barriers initialised: ``(q_smem, k_bufs, v_bufs,
+    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group."""
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=NUM_CONSUMERS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    return q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty
 
 
 @gluon.jit
@@ -226,18 +273,8 @@ def varlen_fwd_gluon_ws_kernel(
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
     Q_AFTER: gl.constexpr = 1 if DIRECT_STORE else STAGES
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
+                                                                       STAGES, HEAD_DIM)
 
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([

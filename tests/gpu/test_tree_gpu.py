@@ -90,3 +90,237 @@ def test_tree_auto_dispatch_on_cuda():
         pad_between_seqs=False, is_self=True, host_lengths=True, max_seqlen_q=17, max_seqlen_kv=17,
         mask=packattn.Mask.make(causal=True), return_lse=False, deterministic=False, requires_grad=False)
     assert dispatch.select(params, "auto").name == "triton_tree"
+
+
+# ---------------------------------------------------------------- Gluon tree backward (Hopper, d = 128)
+# The tree backward runs the warp-specialised Gluon dK/dV (`varlen_bwd_gluon_ws`, TREE=True) and dQ
+# (`tree_dq_gluon_ws`) where `triton_varlen.use_gluon_dkdv` / `triton_tree_gluon_dq.use_gluon_tree_dq`
+# say so (sm_90, bf16/fp16, head dim 128), the Triton passes with PACKATTN_TRITON_BWD=triton. Small
+# trees with the awkward shapes: 1-token nodes, depth-32 chains, fan-out 64, nodes straddling 128-row
+# tiles, totals that are no multiple of 64 or 128.
+def _chain(node_lengths) -> list[list[int]]:
+    """A chain of ``len(node_lengths)`` nodes: every prefix ending at a node boundary is a sequence."""
+    base = list(range(sum(node_lengths)))
+    ends = torch.tensor(node_lengths).cumsum(0).tolist()
+    return [base[:end] for end in ends]
+
+
+def _fan_out(prompt_len: int, children: int, child_len) -> list[list[int]]:
+    """One prompt of ``prompt_len`` tokens with ``children`` continuations of ``child_len(i)`` tokens."""
+    return [[7] * prompt_len + [1000 + i] * child_len(i) for i in range(children)]
+
+
+def _grpo(prompt_lens, group: int, response_lens: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths with ``group`` random responses each."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for plen in prompt_lens:
+        prompt = torch.randint(0, 1000, (plen,), generator=gen).tolist()
+        for _ in range(group):
+            n = int(torch.randint(response_lens[0], response_lens[1] + 1, (1,), generator=gen))
+            out.append(prompt + torch.randint(1000, 2000, (n,), generator=gen).tolist())
+    return out
+
+
+def _random_sharing(count: int, max_len: int, seed: int = 5) -> list[list[int]]:
+    """Sequences over a 3-token vocabulary: lots of sharing, prefixes, duplicates."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (count,), generator=gen).tolist()
+    return [torch.randint(0, 3, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _deep_then_wide() -> list[list[int]]:
+    """A depth-32 chain of 1..11-token nodes with 16 leaves of 1..23 tokens under its last node."""
+    chain = _chain([(5 * i) % 11 + 1 for i in range(32)])
+    return chain + [chain[-1] + [2000 + i] * (1 + (7 * i) % 23) for i in range(16)]
+
+
+NASTY_TREES = {  # name -> sequences (totals: 32, 462, 466, 380, 4099, 3235, 5528 rows)
+    "chain_of_1_token_nodes": lambda: _chain([1] * 32),
+    "chain_32_straddling_tiles": lambda: _chain([(37 * i) % 29 + 1 for i in range(32)]),
+    "fan_out_64_short_leaves": lambda: _fan_out(150, 64, lambda i: 1 + i % 9),
+    "deep_then_wide": _deep_then_wide,
+    "grpo_straddling_tiles": lambda: _grpo([131, 200, 77], 8, (1, 300)),
+    "random_sharing": lambda: _random_sharing(40, 200),
+    "fan_out_64_long_leaves": lambda: _fan_out(250, 64, lambda i: 40 + (13 * i) % 90),
+}
+
+
+def _tree_inputs(tree, heads_q: int, heads_kv: int, dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(heads):
+        return torch.randn(tree.total, heads, 128, device="cuda", generator=gen).to(dtype)
+
+    q, k, v = (rand(h).requires_grad_() for h in (heads_q, heads_kv, heads_kv))
+    return q, k, v, rand(heads_q), torch.randn(heads_q, tree.total, device="cuda", generator=gen)
+
+
+def _tree_grads(q, k, v, dout, dlse, tree, backend="triton_tree"):
+    """``(dq, dk, dv)`` of ``sum(out * dout) + sum(lse * dlse)``."""
+    out, lse = packattn.attention(q, k, v, tree, backend=backend, return_lse=True)
+    return torch.autograd.grad((out.float() * dout.float()).sum() + (lse * dlse).sum(), (q, k, v))
+
+
+def _gluon_tree_kernels(q, k, v) -> dict:
+    """Which Gluon kernels the tree backward runs on these tensors."""
+    from packattn.backends.triton_tree_gluon_dq import use_gluon_tree_dq
+    from packattn.backends.triton_varlen import use_gluon_dkdv
+
+    return {"dkdv": use_gluon_dkdv(q, k, v), "dq": use_gluon_tree_dq(q, k, v)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (2, 2)], ids=["gqa4_2", "mqa4_1", "mha2"])
+@pytest.mark.parametrize("name", list(NASTY_TREES))
+def test_gluon_tree_backward_matches_triton_and_reference(name, heads, dtype, monkeypatch):
+    tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
+    q, k, v, dout, dlse = _tree_inputs(tree, *heads, dtype)
+    monkeypatch.delenv("PACKATTN_TRITON_BWD", raising=False)
+    if not any(_gluon_tree_kernels(q, k, v).values()):  # (on sm_90 at d = 128 both run)
+        pytest.skip(f"the Gluon tree backward does not run here: {_gluon_tree_kernels(q, k, v)}")
+    gluon = _tree_grads(q, k, v, dout, dlse, tree)
+    monkeypatch.setenv("PACKATTN_TRITON_BWD", "triton")  # before the forward: it builds the tables
+    assert not any(_gluon_tree_kernels(q, k, v).values())
+    triton_grads = _tree_grads(q, k, v, dout, dlse, tree)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = _tree_grads(*leaves, dout, dlse, tree, backend="reference")
+    errors = {}
+    for grad, g, t, r in zip(("dq", "dk", "dv"), gluon, triton_grads, ref):
+        assert torch.isfinite(g).all(), grad
+        errors[grad] = (rel_l2(g, t), rel_l2(g, r), rel_l2(t, r))  # gluon-triton, gluon-ref, triton-ref
+    assert all(e < 1e-2 for errs in errors.values() for e in errs), errors
+
+
+# ---------------------------------------------------------------- Gluon tree forward (Hopper, d = 64 / 128)
+# `triton_tree_gluon.gluon_tree_fwd` (the warp-specialised `tree_fwd_gluon.tree_fwd_gluon_kernel`) against
+# the Triton tree forward (PACKATTN_TRITON_FWD=triton) and the float32 reference backend, on NASTY_TREES and
+# W6. Both kernels round P to 16 bits before the PV product, in different block orders: out within 2e-2
+# absolute and lse within 1e-3 of the Triton forward (as benchmarks/ab_gluon_fwd.py for varlen), and
+# relative L2 < 1e-2 (out) / 1e-3 absolute (lse) against the reference.
+GLUON_TREE_OUT_TOL, GLUON_TREE_LSE_TOL = 2e-2, 1e-3
+
+
+def _fwd_inputs(tree, heads_q: int, heads_kv: int, head_dim: int, dtype, seed: int = 0):
+    """q, k, v of the tree's rows (no grad)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(tree.total, h, head_dim, device="cuda", generator=gen).to(dtype)
+            for h in (heads_q, heads_kv, heads_kv)]
+
+
+def _gluon_tree_forward(q, k, v, tree, config=None, max_programs=None):
+    """``(out, lse)`` of `gluon_tree_fwd`, tables built with its block sizes (``config``'s when given)."""
+    from packattn.backends.triton_tree import build_query_tiles
+    from packattn.backends.triton_tree_gluon import gluon_tree_fwd, tree_fwd_blocks
+
+    block_m, block_n = (config.block_m, config.block_n) if config else tree_fwd_blocks(q.shape[-1])
+    key_end = tree.row_subtree_end().to(torch.int32).contiguous()
+    tiles, intervals = build_query_tiles(key_end, tree.total, block_m, block_n)
+    return gluon_tree_fwd(q, k, v, key_end, tiles, intervals, q.shape[-1] ** -0.5, config=config,
+                          max_programs=max_programs)
+
+
+def _check_gluon_tree_forward(q, k, v, tree, monkeypatch, **launch) -> dict:
+    """`_gluon_tree_forward` vs the Triton tree forward and the float32 reference (skips off sm_90)."""
+    from packattn.backends.triton_tree_gluon import use_gluon_tree_fwd
+
+    monkeypatch.delenv("PACKATTN_TRITON_FWD", raising=False)
+    if not use_gluon_tree_fwd(q, k, v):
+        pytest.skip("the Gluon tree forward runs on sm_90 (H100 / H200) only")
+    out, lse = _gluon_tree_forward(q, k, v, tree, **launch)
+    monkeypatch.setenv("PACKATTN_TRITON_FWD", "triton")
+    assert not use_gluon_tree_fwd(q, k, v)
+    triton_out, triton_lse = packattn.attention(q, k, v, tree, backend="triton_tree", return_lse=True)
+    ref_out, ref_lse = packattn.attention(q.float(), k.float(), v.float(), tree, backend="reference",
+                                          return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (q.shape[1], tree.total)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # every row sees at least its own key
+    errors = {"out-triton": (out.float() - triton_out.float()).abs().max().item(),
+              "lse-triton": (lse - triton_lse).abs().max().item(),
+              "out-ref (rel L2)": rel_l2(out, ref_out),
+              "lse-ref": (lse - ref_lse).abs().max().item()}
+    assert errors["out-triton"] <= GLUON_TREE_OUT_TOL and errors["lse-triton"] <= GLUON_TREE_LSE_TOL, errors
+    assert errors["out-ref (rel L2)"] < 1e-2 and errors["lse-ref"] <= GLUON_TREE_LSE_TOL, errors
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=["gqa4_2", "mqa4_1"])
+@pytest.mark.parametrize("name", list(NASTY_TREES))
+def test_gluon_tree_forward_matches_triton_and_reference(name, heads, head_dim, dtype, monkeypatch):
+    tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
+    _check_gluon_tree_forward(*_fwd_inputs(tree, *heads, head_dim, dtype), tree, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_tree_forward_w6(dtype, monkeypatch):
+    w = tree_workloads()["W6"]
+    tree, q, k, v = w.make_inputs("cuda", dtype, requires_grad=False)
+    errors = _check_gluon_tree_forward(q, k, v, tree, monkeypatch)
+    print(f"\nW6 {dtype}: {errors}")
+
+
+# other configurations: one consumer warp group with 64-key blocks (twice the intervals / blocks), the
+# non-persistent grid with the output staged through Q's buffer, and a persistent grid of 3 programs
+# (many work items per program: ring and Q barrier phases carried across work items)
+@pytest.mark.parametrize("config, max_programs", [("64,64,3,4,ws,persistent,direct", None), ("128,128,3,8,ws", None),
+                                                  ("128,128,3,8,ws,persistent,direct", 3),
+                                                  ("128,64,4,8,ws,persistent,direct", 5)])
+@pytest.mark.parametrize("name", ["grpo_straddling_tiles", "random_sharing", "chain_of_1_token_nodes"])
+def test_gluon_tree_forward_configurations(name, config, max_programs, monkeypatch):
+    from packattn.backends.triton_fwd_gluon import parse_config
+
+    tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
+    q, k, v = _fwd_inputs(tree, 4, 2, 128, torch.bfloat16, seed=1)
+    _check_gluon_tree_forward(q, k, v, tree, monkeypatch, config=parse_config(config), max_programs=max_programs)
+
+
+def test_gluon_tree_forward_env_config(monkeypatch):
+    from packattn.backends.triton_tree_gluon import ENV_TREE_CONFIG, tree_fwd_blocks
+
+    monkeypatch.setenv(ENV_TREE_CONFIG, "128,64,4,8,ws,persistent,direct")
+    assert tree_fwd_blocks(128) == (128, 64)
+    tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
+    _check_gluon_tree_forward(*_fwd_inputs(tree, 2, 2, 64, torch.float16), tree, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["fan_out_64_short_leaves", "random_sharing"])
+def test_gluon_tree_backward_is_bitwise_deterministic(name, monkeypatch):
+    monkeypatch.delenv("PACKATTN_TRITON_BWD", raising=False)
+    tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
+    q, k, v, dout, dlse = _tree_inputs(tree, 4, 2, torch.bfloat16)
+    if not any(_gluon_tree_kernels(q, k, v).values()):  # (on sm_90 at d = 128 both run)
+        pytest.skip(f"the Gluon tree backward does not run here: {_gluon_tree_kernels(q, k, v)}")
+    for a, b in zip(_tree_grads(q, k, v, dout, dlse, tree), _tree_grads(q, k, v, dout, dlse, tree)):
+        assert torch.equal(a, b)
+
+
+def test_gluon_tree_dq_matches_triton_tree_dq_on_the_same_tables():
+    """The dQ kernels alone (same lse, delta and tables), so a dQ difference is not hidden by the rest."""
+    from packattn.backends import triton_tree
+    from packattn.backends.triton_tree_gluon_dq import gluon_tree_dq, use_gluon_tree_dq
+    from packattn.backends.triton_varlen import _launch, _precision, block_d, bwd_delta, launch_config
+    from packattn.kernels.tree import tree_dq_kernel
+
+    tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
+    q, k, v, dout, _ = _tree_inputs(tree, 4, 1, torch.bfloat16)
+    q, k, v = (x.detach() for x in (q, k, v))
+    if not use_gluon_tree_dq(q, k, v):
+        pytest.skip("the Gluon tree dQ does not run here")
+    scale = 128 ** -0.5
+    out, lse = packattn.attention(q, k, v, tree, backend="triton_tree", return_lse=True, scale=scale)
+    delta = bwd_delta(out, dout, lse, None)
+    key_end, _, _, dq_tiles, dq_intervals, _, _ = triton_tree.tree_tables(tree, q, k, v, True)
+    gluon = torch.empty_like(q)
+    gluon_tree_dq(q, k, v, dout, lse, delta, gluon, dq_tiles, dq_intervals, key_end, scale)
+    expected = torch.empty_like(q)
+    config = launch_config("dq", 128, q.dtype, q.device)
+    args = (q, k, v, dout, lse, delta, expected, dq_tiles, dq_intervals, key_end, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), expected.stride(0),
+            expected.stride(1), lse.stride(0), tree.total, 4, 4, scale * 1.4426950408889634, scale)
+    _launch(tree_dq_kernel, (dq_tiles.shape[0] * 4,), args,
+            dict(HEAD_DIM=128, BLOCK_D=block_d(128), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 INPUT_PRECISION=_precision(q.dtype)), config)
+    assert torch.isfinite(gluon).all()
+    assert rel_l2(gluon, expected) < 1e-2

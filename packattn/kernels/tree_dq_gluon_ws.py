@@ -1,0 +1,212 @@
+"""Warp-specialised dQ of tree attention for Hopper (sm_90a), written in Gluon.
+
+The tree (`packattn.Tree`) is one sequence of ``total`` rows; key ``s`` is visible to the queries
+``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Same contract as
+`packattn.kernels.tree.tree_dq_kernel` (``dQ = scale * dS K``, ``lse`` float32 natural log, ``delta``
+from `triton_varlen.bwd_delta`, no atomics: deterministic) with the tables of
+`packattn.backends.triton_tree.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
+keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals`` rows ``[lo, hi, kind]``
+(block-aligned key rows; kind 0 skipped, 1 element mask, 2 every pair visible). One program per
+(query tile, query head), heads fastest; kv head ``head // group_size``.
+
+The partitions, ring, barriers, tail rendezvous and register split are those of
+`packattn.kernels.varlen_bwd_gluon_dq_ws` (read its module docstring): a 1-warp producer and two
+consumer warp groups of 64 queries. The difference is the walk: instead of one key range, the
+intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``. All three
+partitions walk the same intervals and count the same ring steps ``j`` (all blocks of the tile so
+far), so slot ``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. Each interval is one call of
+`varlen_bwd_gluon_dq_ws._dq_ws_blocks` with the interval as the key range and the unmasked band
+``[lo, hi)`` (kind 2) or empty (kind 1): with ``STAGES >= 3`` dS crosses from block to block inside
+an interval and the interval's last dQ product finishes before the next interval (one exposed dQ
+product per interval, as per tile in the varlen kernel; a tile has a few intervals).
+
+The mask of a masked block needs ``key_end`` of its ``BLOCK_N`` keys. The producer cp.async's them
+into a per-slot ring (``key_ends``, ``STAGES x BLOCK_N`` int32, 1 KB at 4 x 64) next to K and V,
+tracked by the slot's ``ready`` barrier through ``cp.async.mbarrier.arrive`` (which adds its own
+pending arrival, issued before the TMA ``expect``), as `varlen_bwd_gluon_ws` does with lse / delta;
+only for masked blocks (kind 1). Chosen over loads by the consumers: the copy is issued one to
+``STAGES - 1`` blocks ahead, so its latency is hidden behind the ring like K / V, while a consumer
+load would be issued after the block's S wgmma at best and its global latency (a few hundred
+cycles on an L2 hit) sits on the consumer's critical path in every masked block; the consumers
+keep no 64-bit addresses for it either. Keys past ``total`` land as 0 (cp.async zero fill): no
+query sees them. The consumers read the slot in masked blocks only (`_probs_tree`).
+
+Rows past ``total``: K / V rows of the tail block are zeroed in shared memory (the varlen tail
+rendezvous, ``len_kv = total``), query rows past ``total`` get P = 0 (lse ``+inf``) and are not stored.
+Every query tile has at least one visible block (a query sees its own key).
+
+Compiled for sm_90a (scripts/check_gluon_bwd_compile.py --tree --kernels dq): at d = 128 with the
+launcher's 128 x 64 blocks and 4 stages, consumers ~198 of 240 registers, no spills, ~198 KB of shared
+memory. ``BLOCK_N = 128`` (2 stages) compiles but spills ~120 B at d = 128 (the mask's key positions
+and ``key_end`` cost 64 registers there); the launcher never picks it (`use_gluon_tree_dq` needs the
+Triton dQ blocks, 128 x 64).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
+from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_blocks, _program_id
+from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
+
+MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
+FULL = gl.constexpr(2)
+
+
+@gluon.jit
+def _tree_dq_tile(tiles, num_heads_q, group_size, OPAQUE_PID: gl.constexpr = False):
+    """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (heads vary
+    fastest); ``OPAQUE_PID``: see `varlen_bwd_gluon_dq_ws._program_id`."""
+    pid = _program_id(num_heads_q, OPAQUE_PID)
+    tile = pid // num_heads_q
+    head = pid % num_heads_q
+    q_start = gl.load(tiles + tile * 3)
+    first = gl.load(tiles + tile * 3 + 1)
+    count = gl.load(tiles + tile * 3 + 2)
+    return head, head // group_size, q_start, first, count
+
+
+@gluon.jit
+def _interval(intervals, index):
+    """Interval row ``[lo, hi, kind]``."""
+    at = intervals + index * 3
+    return gl.load(at), gl.load(at + 1), gl.load(at + 2)
+
+
+# ---------------------------------------------------------------- producer
+@gluon.jit
+def _key_end_copy(KeyEnd, n_start, total, buf, BLOCK_N: gl.constexpr):
+    """cp.async ``key_end`` of keys ``n_start ... n_start + BLOCK_N - 1`` into ``buf``; keys past
+    ``total`` are not read and land as 0 (visible to no query)."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # the producer's one warp
+    offs = gl.arange(0, BLOCK_N, layout=layout)
+    async_copy.async_copy_global_to_shared(buf, KeyEnd + n_start + offs, mask=offs < total - n_start)
+
+
+@gluon.jit
+def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q, group_size,
+                      q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Load partition (one warp): Q and dO of the tile once (``q_bar``), then every key block of the
+    tile's intervals, block ``j`` into ring slot ``j % STAGES`` once both consumers released block
+    ``j - STAGES`` there: ``key_end`` of its keys first (masked blocks only, cp.async on ``ready``),
+    then K and V (TMA)."""
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_start, head * HEAD_DIM], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_start, head * HEAD_DIM], q_bar, do_smem)
+    j = q_start * 0  # ring steps so far
+    for i in range(0, count):
+        lo, hi, kind = _interval(intervals, first + i)
+        if kind != 0:
+            for n_start in range(lo, hi, BLOCK_N):
+                slot = j % STAGES
+                mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                if kind == MASKED:
+                    _key_end_copy(KeyEnd, n_start, total, key_ends.index(slot), BLOCK_N)
+                    async_copy.mbarrier_arrive(ready.index(slot))
+                # K / V rows n_start ...: `_load_kv_block` loads block j of the range at n_start - j * BLOCK_N
+                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, n_start - j * BLOCK_N, 0,
+                               kv_head * HEAD_DIM, j + 1, STAGES, BLOCK_N)
+                j += 1
+
+
+# ---------------------------------------------------------------- consumers
+@gluon.jit
+def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
+                      num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar,
+                      ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size)
+    q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    first_row = q_start + WG * WG_ROWS
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    offs_m = first_row + gl.arange(0, WG_ROWS, layout=row_layout)
+    row0 = q_start * 0  # the tree is one sequence starting at row 0
+    lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout)
+    delta = _row_vector(Delta, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout, 0.0)
+    ntail = row0  # tail steps so far (an i32 value: it changes inside a branch)
+    j = row0  # ring steps so far
+    mbarrier.wait(q_bar, 0)
+    for i in range(0, count):
+        lo, hi, kind = _interval(intervals, first + i)
+        if kind != 0:
+            num_blocks = (hi - lo) // BLOCK_N  # block aligned, at least one block
+            band_lo = gl.where(kind == FULL, lo, hi)  # kind 2: no element mask anywhere in [lo, hi)
+            dq, ntail = _dq_ws_blocks(j, num_blocks, lo, band_lo, hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                                      key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, total, total,
+                                      qk_scale_log2, 0, 0, 0, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
+                                      False, False, False, False, True)
+            j += num_blocks
+
+    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, True)
+    # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done)
+    _store_tile(dq * scale, q_wg, dQ + head.to(gl.int64) * stride_dq_head, q_start + WG * WG_ROWS, total,
+                stride_dq_row, WG_ROWS, HEAD_DIM, 4)
+
+
+@gluon.jit
+def _tree_dq_consumer_worker(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
+                             num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends,
+                             q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr):
+    """The second consumer warp group (queries 64..127) as a worker partition."""
+    _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
+                      num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar,
+                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES)
+
+
+# ---------------------------------------------------------------- kernel
+@gluon.jit
+def tree_dq_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles, intervals, KeyEnd,
+    stride_dq_row, stride_dq_head, stride_lse_head,
+    total, num_heads_q, group_size, qk_scale_log2, scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """dQ of tree attention (module docstring); launch with ``num_warps = 4`` and ``maxnreg`` as
+    `triton_tree_gluon_dq.tree_dq_ws_resources` says. Descriptors over the ``(rows, heads * HEAD_DIM)``
+    views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks
+    ``[BLOCK_N, HEAD_DIM]``. ``Lse`` / ``Delta``: float32 ``(heads_q, total)`` with row stride 1."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warp groups of 64 queries each")
+    gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "key block: 64 or 128 rows")
+    gl.static_assert(STAGES >= 2, "ring of at least two (K, V) slots")
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    # per ring slot: key_end of the slot's keys (masked blocks only)
+    key_ends = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(zero_bar, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_tree_dq_consumer, (dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
+                             num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends,
+                             q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES)),
+        (_tree_dq_consumer_worker, (dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head,
+                                    stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem,
+                                    k_bufs, v_bufs, key_ends, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N,
+                                    STAGES)),
+        (_tree_dq_producer, (q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q,
+                             group_size, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, HEAD_DIM,
+                             BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,110 @@
+"""Compile the warp-specialised Gluon tree forward (`packattn.kernels.tree_fwd_gluon`) for sm_90a on a
+machine without a GPU, per head dim and dtype, with the checks of scripts/check_gluon_compile.py:
+shared memory, ptxas registers / spills / warnings, the overlap proof (a wgmma in flight across the
+softmax in each consumer's main loop), the setmaxnreg budget of every partition against the
+registers its SASS touches, and the barriers / TMA of each loop.
+
+    python scripts/check_gluon_tree_compile.py [--head-dims 64 128] [--dtypes bf16 fp16]
+    python scripts/check_gluon_tree_compile.py --config 128,128,3,8,ws          # another configuration
+    python scripts/check_gluon_tree_compile.py --dump /tmp/gluon_tree_asm       # also write ttgir / ptx
+
+The launcher's configurations are persistent; ``persistent`` only changes the grid, so every
+configuration compiles to the same kernel with or without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from packattn.backends import triton_fwd_gluon as tg  # noqa: E402
+from packattn.backends import triton_tree_gluon as tt  # noqa: E402
+from packattn.kernels.tree_fwd_gluon import tree_fwd_gluon_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_gluon_compile import DTYPES, _descriptor_type, compiled_report, failure_report  # noqa: E402
+
+INT_POINTERS = ("key_end", "tiles", "intervals")
+# a real launch gives these tt.divisibility = 16 (16-byte aligned tensors; (total, heads, d) contiguous)
+ALIGNED = set(INT_POINTERS) | {"Out", "Lse", "stride_o_row", "stride_o_head"}
+
+
+def compile_tree(dtype_name: str, head_dim: int, cfg):
+    """``triton.compile`` of the tree kernel as `triton_tree_gluon.gluon_tree_fwd` launches it."""
+    dtype = DTYPES[dtype_name]
+    fn = tree_fwd_gluon_kernel
+    res = tt.tree_ws_resources(cfg, head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                      DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"],
+                      PRODUCER_REGS=res["producer_regs"], num_warps=4)
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "q_desc":
+            signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
+        elif name in ("k_desc", "v_desc"):
+            signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
+        elif name == "Out":
+            signature[name] = "*" + dtype_name
+        elif name == "Lse":
+            signature[name] = "*fp32"
+        elif name in INT_POINTERS:
+            signature[name] = "*i32"
+        elif name == "qk_scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
+    src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]})
+
+
+def check_tree(dtype_name: str, head_dim: int, config_text: str | None, dump: str | None) -> tuple[bool, str]:
+    """Compile and check one variant: ``(problem, report text)`` (`check_gluon_compile.compiled_report`)."""
+    cfg = tg.parse_config(config_text) if config_text else tt.tree_config(head_dim)
+    label = f"tree {dtype_name} d={head_dim} [{cfg.label()}]"
+    try:
+        compiled = compile_tree(dtype_name, head_dim, cfg)
+    except Exception as e:  # report and go on
+        return True, failure_report(label, e)
+    res = tt.tree_ws_resources(cfg, head_dim)
+    bad, text = compiled_report(compiled, label, f"tree_{dtype_name}_d{head_dim}_{cfg.label().replace(',', '_')}",
+                                dump)
+    expected = tt.tree_shared_bytes(cfg, head_dim)
+    return bad, (f"{text}\n    launcher: shared_bytes={expected} ctas_per_sm={res['ctas_per_sm']} "
+                 f"maxnreg={res['maxnreg']} consumer_regs={res['consumer_regs']} producer_regs={res['producer_regs']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(tg.HEAD_DIMS))
+    parser.add_argument("--config", action="append", default=None,
+                        help="a configuration instead of the launcher's (repeatable): "
+                             "block_m,block_n,stages,num_warps,ws[,persistent][,direct]")
+    parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
+    args = parser.parse_args()
+    failures = count = 0
+    for dtype_name in args.dtypes:
+        for head_dim in args.head_dims:
+            for config_text in args.config or [None]:
+                bad, text = check_tree(dtype_name, head_dim, config_text, args.dump)
+                failures += bad
+                count += 1
+                print(text, flush=True)
+    print(f"{failures} of {count} variant(s) with problems", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
