@@ -290,6 +290,11 @@ def _varlen_fwd(
 # per call without grad on the H200 host), which decides a ~0.3 ms forward such as W8's (64 x 512 tokens)
 # when calls are issued back to back (results/2026-11-22/probe_w8_gluon_h200.txt).
 GLUON_MIN_SEQLEN = 1024
+ENV_GLUON_MIN_SEQLEN = "PACKATTN_GLUON_MIN_SEQLEN"  # overrides GLUON_MIN_SEQLEN (A/B runs)
+
+
+def gluon_min_seqlen() -> int:
+    return int(os.environ.get(ENV_GLUON_MIN_SEQLEN, GLUON_MIN_SEQLEN))
 
 
 def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -518,7 +523,7 @@ class TritonVarlenBackend(TritonBackend):
             q, scale = -q, -scale
         head_dim = q.shape[-1]
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
-        gluon = seqs.max_seqlen_q >= GLUON_MIN_SEQLEN and use_gluon_fwd(q, k, v)
+        gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
         if gluon:
             from packattn.backends.triton_fwd_gluon import config_for
 
