@@ -286,10 +286,11 @@ def _varlen_fwd(
     return out, lse
 
 
-# Batches of short sequences keep the Triton forward: its launch costs less host time (0.11 vs 0.25 ms
-# per call without grad on the H200 host), which decides a ~0.3 ms forward such as W8's (64 x 512 tokens)
-# when calls are issued back to back (results/2026-11-22/probe_w8_gluon_h200.txt).
-GLUON_MIN_SEQLEN = 1024
+# The Gluon forward runs when some sequence has >= GLUON_MIN_SEQLEN queries. It was 1024 while a Gluon
+# launch cost more host time than a ~0.3 ms W8 forward left (results/2026-11-22/probe_w8_gluon_h200.txt);
+# with the eager fast path (`fast_op`) W8 (64 x 512 tokens) measured 0.297 ms with it vs 0.495 without
+# (results/2026-11-23/bench_v13_w8_gluon_fwd.txt, H200). Shorter documents are not measured: Triton there.
+GLUON_MIN_SEQLEN = 512
 ENV_GLUON_MIN_SEQLEN = "PACKATTN_GLUON_MIN_SEQLEN"  # overrides GLUON_MIN_SEQLEN (A/B runs)
 
 
