@@ -38,6 +38,46 @@ def host_us(fn, calls: int = 20, batches: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _jit_breakdown(call) -> list:
+    """Host cost of the pieces of one Gluon dK/dV launch: Triton's JIT entry (`JITFunction.run`) with
+    prebuilt arguments, its binder alone, and the compiled kernel's launcher called directly."""
+    from triton.runtime import driver
+
+    from packattn.kernels import varlen_bwd_gluon_ws as ws
+
+    captured = {}
+    kernel = ws.varlen_bwd_dkdv_gluon_ws_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.update(grid=grid, args=args, kwargs=kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    ws.varlen_bwd_dkdv_gluon_ws_kernel = Spy()
+    try:
+        args, kwargs = call
+        tbg.gluon_launch_dkdv(*args, **kwargs)
+    finally:
+        ws.varlen_bwd_dkdv_gluon_ws_kernel = kernel
+    grid, a, kw = captured["grid"], captured["args"], captured["kwargs"]
+    compiled = kernel[grid](*a, **kw)
+    device = driver.active.get_current_device()
+    binder = kernel.device_caches[device][4]
+    bound, _, _ = binder(*a, **kw)
+    values = tuple(bound.values())
+    stream = driver.active.get_current_stream(device)
+
+    def direct():
+        compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *values), None, None, *values)
+
+    return [("  JITFunction.run, args prebuilt", host_us(lambda: kernel[grid](*a, **kw))),
+            ("  binder alone", host_us(lambda: binder(*a, **kw), calls=100)),
+            ("  compiled launcher directly", host_us(direct))]
+
+
 def main() -> None:
     name = (sys.argv[1:] or ["W8"])[0]
     w = varlen_workloads()[name]
@@ -81,6 +121,8 @@ def main() -> None:
             args, kwargs = captured[key]
             fn = {"delta": real_delta, "dkdv": real_dkdv, "dq": real_dq}[key]
             rows.append((f"launch {key}", host_us(lambda: fn(*args, **kwargs))))
+    if "dkdv" in captured:
+        rows += _jit_breakdown(captured["dkdv"])
     qt = _as_tma_tensor(q.detach())
     rows.append(("one TMA descriptor", host_us(lambda: _descriptor(qt, 64), calls=100)))
     rows.append(("torch.empty_like(q)", host_us(lambda: torch.empty_like(q), calls=100)))
