@@ -32,6 +32,8 @@ Triton ``launch_dkdv(..., tree=True)`` otherwise.
 
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass
 
@@ -160,6 +162,7 @@ def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2)
             + 4 * (2 * cfg.stages * cfg.block_m + 2 * cfg.block_m) + 8 * (2 + 2 * cfg.stages))
 
 
+@functools.lru_cache(maxsize=None)
 def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     """Register split of the warp-specialised dK/dV kernel, as `triton_fwd_gluon.ws_resources` does
     it for the forward (same SM constants, this kernel's shared memory): ``ctas_per_sm``, ``warps``
@@ -176,6 +179,7 @@ def dq_ws_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2
     return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
 
 
+@functools.lru_cache(maxsize=None)
 def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     """Register split of the warp-specialised dQ kernel (`varlen_bwd_gluon_dq_ws`), as `dkdv_ws_resources`:
     ``ctas_per_sm``, ``warps``, ``maxnreg``, ``consumer_regs``, ``producer_regs``. At d = 128 (block_m 128,

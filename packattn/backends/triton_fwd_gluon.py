@@ -216,6 +216,7 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2) -> int:
 MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230 (BLOCK_N 128) registers
 
 
+@functools.lru_cache(maxsize=None)
 def ws_resources(cfg: GluonConfig, head_dim: int) -> dict:
     """Occupancy and register split of the warp-specialised forward (`ws_split` with its shared memory)."""
     return ws_split(cfg.num_warps, shared_bytes(cfg, head_dim))
