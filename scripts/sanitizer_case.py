@@ -1,5 +1,7 @@
 """A small Triton varlen forward + backward for compute-sanitizer (memcheck / racecheck):
-padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind.
+padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind; a
+sequence of >= 512 queries so that the Gluon forward runs too (on sm_90 the backward is Gluon
+anyway); then a small tree (the Gluon tree forward, dK/dV and dQ on sm_90).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitizer_case.py
 """
@@ -9,7 +11,7 @@ import torch
 import packattn
 
 torch.manual_seed(0)
-seqs = packattn.Varlen.from_lengths([0, 1, 37, 129, 200], [3, 1, 50, 129, 180], pad_to_multiple=16, device="cuda")
+seqs = packattn.Varlen.from_lengths([0, 1, 37, 129, 600], [3, 1, 50, 129, 580], pad_to_multiple=16, device="cuda")
 for opts in ({"causal": True}, {"causal": "top_left", "window": (33, 5)}, {"causal": True, "chunk_size": 48}, {}):
     q = torch.randn(seqs.total_q, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(seqs.total_kv, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -17,5 +19,15 @@ for opts in ({"causal": True}, {"causal": "top_left", "window": (33, 5)}, {"caus
     out, lse = packattn.attention(q, k, v, seqs, backend="triton", return_lse=True, **opts)
     grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads) and not out.isnan().any()
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(0, 50, (n,), generator=g) for n in (70, 3, 200)]
+tree = packattn.Tree.from_sequences([torch.cat([p, torch.randint(0, 50, (m,), generator=g)])
+                                     for p in prompts for m in (0, 1, 45, 130)], device="cuda")
+q = torch.randn(tree.total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k = torch.randn(tree.total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+v = torch.randn(tree.total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+out, lse = packattn.attention(q, k, v, tree, backend="triton_tree", return_lse=True)
+grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+assert all(torch.isfinite(g).all() for g in grads) and not out.isnan().any()
 torch.cuda.synchronize()
 print("sanitizer case done")
