@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--balances", nargs="*", help="--cp: plan balances (default: zigzag documents)")
     bench.add_argument("--backend", default="triton", help="--cp: attention backend of the local problems")
     bench.add_argument("--no-check", action="store_true", help="--cp: skip the comparison with one GPU")
+    bench.add_argument("--overlap-groups", nargs="*", type=int, metavar="G",
+                       help="--cp: run strategy allgather once per G kv-head groups (cp.attention's overlap_groups; "
+                       "default: its default)")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.cp:
         from packattn.bench.cp import run_cp_bench
 
-        return run_cp_bench(args.strategies, args.balances, args.backend, args.json, check=not args.no_check)
+        return run_cp_bench(args.strategies, args.balances, args.backend, args.json, check=not args.no_check,
+                            overlap_groups=args.overlap_groups)
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 

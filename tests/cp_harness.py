@@ -67,14 +67,16 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def errors_vs_single(seqs: Varlen, mask: dict, heads, dtype: torch.dtype, seed: int, make_plan, *,
-                     backend: str = "reference", check_deterministic: bool = False, lse_in_loss: bool = False) -> dict:
+                     backend: str = "reference", check_deterministic: bool = False, lse_in_loss: bool = False,
+                     cp_options: dict | None = None) -> dict:
     """Seeded global inputs (same on every rank); single-process float64 attention vs
     ``cp.attention`` with ``make_plan(seqs)`` in ``dtype``, everything gathered back to the global
     layout. ``heads = (heads_q, heads_kv, head_dim, head_dim_v)``. Returns max errors of out, lse,
     dq, dk, dv (``"cp"``; ``"single"`` too for a non-float64 dtype: the same-dtype single-process
     error, the yardstick), the count of non-zeros in padding rows, whether ``position_ids`` match,
     and with ``check_deterministic`` whether two ``deterministic=True`` runs are bitwise equal.
-    ``lse_in_loss``: the loss also weighs lse, so gradients flow back through lse too."""
+    ``lse_in_loss``: the loss also weighs lse, so gradients flow back through lse too.
+    ``cp_options``: more keywords of ``cp.attention`` (not of the single-process call)."""
     hq, hk, d, dv = heads
     g = torch.Generator().manual_seed(seed)
     ref_inputs = [torch.randn(seqs.total_q, h, dim, generator=g, dtype=torch.float64)
@@ -98,7 +100,7 @@ def errors_vs_single(seqs: Varlen, mask: dict, heads, dtype: torch.dtype, seed: 
 
     def parallel(q, k, v):
         return cp.attention(q, k, v, plan, backend=backend, return_lse=True,
-                            deterministic=check_deterministic, **mask)
+                            deterministic=check_deterministic, **mask, **(cp_options or {}))
 
     local_grads = (plan.shard(grad_out.to(dtype)), None if grad_lse is None else plan.shard(grad_lse.t()).t())
     out_l, lse_l, grads_l = grads(parallel, local, *local_grads)

@@ -9,6 +9,8 @@ forward+backward time, attention-only TF/s per GPU = useful FLOPs / (time x worl
 efficiency = that / the same backend's single-GPU TF/s on W2, the communication time and the part
 of it not hidden behind computation (from a profiler trace of one forward+backward on rank 0: NCCL
 kernel time, and NCCL kernel time during which no other kernel ran), and peak memory.
+``--overlap-groups 1 2 4`` runs strategy allgather once per number of kv-head groups whose
+communication overlaps compute (``cp.attention(..., overlap_groups=G)``; rows ``allgather:BALANCE:GG``).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def _single_gpu_w2(backend: str) -> tuple[float, float]:
 
 
 def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_path: str | None = None,
-                 check: bool = True) -> int:
+                 check: bool = True, overlap_groups: list[int] | None = None) -> int:
     if "RANK" not in os.environ:
         print("packattn bench --cp runs under torchrun, e.g.\n"
               "  torchrun --nproc_per_node 2 -m packattn.cli bench --cp --json W10.json")
@@ -146,9 +148,12 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
     for strategy in strategies or STRATEGIES:
         group = _group_for(strategy, world)
         for balance in balances or BALANCES:
-            rows.append(_run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check))
-            if rank == 0:
-                print(_format_row(rows[-1]), flush=True)
+            for groups in (overlap_groups or [None]) if strategy == "allgather" else [None]:
+                options = {} if groups is None else {"overlap_groups": groups}
+                rows.append(_run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend,
+                                          check, options))
+                if rank == 0:
+                    print(_format_row(rows[-1]), flush=True)
     if rank == 0:
         env = {"gpu": torch.cuda.get_device_name(), "world": world, "torch": torch.__version__,
                "triton": __import__("triton").__version__, "packattn": packattn.__version__,
@@ -165,9 +170,12 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
     return 0
 
 
-def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check) -> dict:
+def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check,
+                  options: dict) -> dict:
+    """One row; ``options``: more keywords of ``cp.attention`` (``overlap_groups``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    row = {"workload": "W10", "impl": f"packattn:cp:{strategy}:{balance}", "world": world}
+    suffix = f":G{options['overlap_groups']}" if "overlap_groups" in options else ""
+    row = {"workload": "W10", "impl": f"packattn:cp:{strategy}:{balance}{suffix}", "world": world, **options}
     try:
         torch.cuda.reset_peak_memory_stats()
         p = cp.plan(seqs, group, strategy=strategy, balance=balance)
@@ -175,7 +183,7 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
         dl = p.shard(dout)
 
         def fwd():
-            return cp.attention(ql, kl, vl, p, causal=True, backend=backend, return_lse=True)
+            return cp.attention(ql, kl, vl, p, causal=True, backend=backend, return_lse=True, **options)
 
         def fwdbwd():
             out, _ = fwd()
@@ -187,7 +195,7 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
             got = [p.unshard(out_l.detach()), p.unshard(lse_l.detach().t().contiguous()).t()] + [p.unshard(g) for g in grads]
             if rank == 0 and ref is not None:
                 row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
-            row["deterministic_bitwise"] = _bitwise_repeatable(ql, kl, vl, dl, p, backend)
+            row["deterministic_bitwise"] = _bitwise_repeatable(ql, kl, vl, dl, p, backend, options)
         fwd_ms, fwdbwd_ms = _timed(lambda: fwd()), _timed(fwdbwd)
         comm, exposed = exposed_communication(_profile_kernels(fwdbwd))
         fwd_tf, fb_tf = flops / (fwd_ms * world) / 1e9, 3.5 * flops / (fwdbwd_ms * world) / 1e9
@@ -201,12 +209,13 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
     return row
 
 
-def _bitwise_repeatable(q, k, v, dout, plan, backend) -> bool:
+def _bitwise_repeatable(q, k, v, dout, plan, backend, options: dict) -> bool:
     """Two forward+backward runs with ``deterministic=True`` give bitwise-equal out, lse and
     gradients on every rank."""
     runs = []
     for _ in range(2):
-        out, lse = cp.attention(q, k, v, plan, causal=True, backend=backend, return_lse=True, deterministic=True)
+        out, lse = cp.attention(q, k, v, plan, causal=True, backend=backend, return_lse=True, deterministic=True,
+                                **options)
         runs.append([out, lse, *torch.autograd.grad(out, (q, k, v), dout)])
     same = torch.tensor([all(torch.equal(a, b) for a, b in zip(*runs))], device="cuda", dtype=torch.int32)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)

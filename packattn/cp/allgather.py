@@ -21,20 +21,68 @@ with ``balance="documents"``); keys of its own rows are read locally. The key ro
 sequences are then copied (with duplicates where ranges overlap) into one contiguous buffer.
 Backward: the buffer's gradient flows back through that index to the local rows and to the
 gathered tensor, whose gradient is reduce-scattered to the ranks owning the rows.
+
+Overlap (``overlap_groups=G``, `resolve_overlap_groups`). When something is communicated, the
+kv heads are split into ``G`` contiguous groups (``min(G, heads_kv)``, as even as possible; a
+group's query heads are the GQA query heads of its kv heads) and each group is gathered by its own
+collective, so that attention of one group runs while another group's rows travel. One autograd
+Function (`_OverlappedGroups`) does it all:
+
+* forward: the all-gathers of every group are issued at once (``async_op=True``); then for each
+  group in order: wait for its gather, build its key buffer, run its local attention (when
+  gradients are needed, on detached leaves under ``torch.enable_grad()``, keeping that small graph
+  for backward). Outputs and lse are concatenated in head order.
+* backward: groups in reverse: the group's attention backward (``torch.autograd.grad`` on its
+  graph), then its gathered rows' dK/dV reduce-scatter is issued (``async_op=True``) and the next
+  group's backward runs while it travels; all are waited for at the end, and each adds its rows
+  to the local dK/dV.
+
+What runs concurrently. On GPUs (NCCL) a collective issued with ``async_op=True`` runs on NCCL's
+internal stream, after the work already queued on the current stream; ``wait()`` only makes the
+current (compute) stream wait for it, without blocking the host. So in forward the gathers of
+groups ``g + 1, ...`` run on the NCCL stream while the attention kernels of group ``g`` run on
+the compute stream, and only the first group's gather is exposed; in backward the reduce-scatter
+of group ``g`` runs while the backward kernels of group ``g - 1`` do, and only the last
+reduce-scatter (group 0's) is exposed. On CPU with gloo, the work object's collective runs on the
+process group's worker thread while the calling thread computes the next group (overlap needs a
+spare core). Each group's collective moves ``1/G`` of the bytes; the price is ``G`` collectives
+and ``G`` attention calls with ``heads / G`` heads each. ``G = 1`` is the single collective above.
+
+Results. For a fixed ``G`` every reduction has a fixed order, so two runs are bitwise equal (as
+with ``G = 1``). Different ``G`` agree up to float rounding, not bitwise: the key buffers and the
+local dK/dV sums are the same operations per column, but a backend's kernels for a subset of the
+heads may round differently (the reference backend on CPU does, in the last bit: its einsums and
+chunking depend on the head count), and a collective may sum the ranks' contributions in another
+order for another buffer size. Every rank must use the same ``G`` (the collectives must match).
+Memory: as with ``G = 1``, except that the per-group outputs and lse are kept for backward (the
+Triton backends save them anyway; the reference backend recomputes them, so there they are extra).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 import packattn
 from packattn import mask as masks
-from packattn.cp.comm import gather_rows
+from packattn.cp.comm import (
+    Pending,
+    gather_rows,
+    start_gather_rows,
+    start_reduce_scatter_rows,
+)
 from packattn.cp.plan import CPPlan
 from packattn.mask import Mask
 from packattn.varlen import Varlen
+
+# kv-head groups when neither the call nor the environment says: 1 (one collective, as before the
+# overlap) until the overlap is measured on GPUs (`packattn bench --cp --overlap-groups 1 2 4`)
+DEFAULT_OVERLAP_GROUPS = 1
+ENV_OVERLAP_GROUPS = "PACKATTN_CP_OVERLAP_GROUPS"  # overrides DEFAULT_OVERLAP_GROUPS (e.g. 1 for A/B runs)
 
 
 @dataclasses.dataclass
@@ -123,6 +171,173 @@ def build_layout(plan: CPPlan, mask: Mask, device) -> LocalLayout:
                        q_identity, kv_identity, out_index.to(device))
 
 
+# ------------------------------------------------------------------ overlap groups
+def resolve_overlap_groups(requested: int | None, heads_kv: int) -> int:
+    """The number ``G`` of kv-head groups of one call: ``requested`` (the ``overlap_groups`` argument
+    of `packattn.cp.attention`), else the environment variable ``PACKATTN_CP_OVERLAP_GROUPS``, else
+    `DEFAULT_OVERLAP_GROUPS`; clamped to ``heads_kv``. ``G = 1``: one collective, no overlap."""
+    if requested is None:
+        env = os.environ.get(ENV_OVERLAP_GROUPS, "").strip()
+        requested = int(env) if env.isdigit() else (env or DEFAULT_OVERLAP_GROUPS)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"overlap_groups (or ${ENV_OVERLAP_GROUPS}) must be a positive int, got {requested!r}")
+    return min(requested, heads_kv)
+
+
+def head_groups(heads_kv: int, groups: int) -> list[slice]:
+    """The kv heads of each of ``groups`` contiguous groups (``groups <= heads_kv``), sizes as even
+    as possible."""
+    bounds = [g * heads_kv // groups for g in range(groups + 1)]
+    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+
+
+# ------------------------------------------------------------------ buffers of the local problem
+def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V of each row side by side, ``(rows, heads_kv * (d + d_v))``: one collective moves both."""
+    return torch.cat([k.flatten(1), v.flatten(1)], dim=1)
+
+
+def _split_kv(kv: torch.Tensor, heads_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_flat_kv`: views of K ``(rows, heads_kv, d)`` and V ``(rows, heads_kv, d_v)``."""
+    rows, d_v = kv.shape[0], kv.shape[1] // heads_kv - d
+    return kv[:, : heads_kv * d].reshape(rows, heads_kv, d), kv[:, heads_kv * d:].reshape(rows, heads_kv, d_v)
+
+
+def _key_rows(kv_local: torch.Tensor, shared: torch.Tensor | None, layout: LocalLayout) -> torch.Tensor:
+    """The flat K/V of every key of the local sequences (``layout.kv_index``): rows of ``kv_local``,
+    then the gathered rows of shared documents (``shared``; None when nothing was gathered)."""
+    kv = kv_local if shared is None else torch.cat([kv_local, shared])
+    return kv.index_select(0, layout.kv_index)
+
+
+def _key_rows_grad(grad: torch.Tensor, layout: LocalLayout, num_local: int, num_gathered: int):
+    """Backward of `_key_rows` by hand (the operations autograd runs for it, in the same order):
+    ``(gradient of the local rows, gradient of the gathered rows)``."""
+    total = grad.new_zeros(num_local + num_gathered, grad.shape[1]).index_add_(0, layout.kv_index, grad)
+    return total[:num_local], total[num_local:]
+
+
+def _query_buffer(q: torch.Tensor, layout: LocalLayout) -> torch.Tensor:
+    """The queries of the local sequences: local rows, and zero rows for the dummy queries."""
+    if layout.q_identity:
+        return q
+    return torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
+
+
+def _local_attention(q_buf, k_buf, v_buf, layout: LocalLayout, mask: Mask, opts: dict):
+    """``(out, lse)`` of the local sequences (lse None unless ``opts["return_lse"]``); ``opts``: the
+    keyword arguments of `packattn.attention` other than the mask."""
+    if layout.seqs.num_seqs == 0:  # nothing local; stay attached to the graph so backward runs
+        tie = q_buf.flatten()[:0].sum() + k_buf.flatten()[:0].sum() + v_buf.flatten()[:0].sum()
+        out = q_buf.new_zeros(0, q_buf.shape[1], v_buf.shape[2]) + tie
+        return out, torch.zeros(q_buf.shape[1], 0, dtype=torch.float32, device=q_buf.device) + tie.float()
+    res = packattn.attention(q_buf, k_buf, v_buf, layout.seqs, causal=mask.causal, window=mask.window,
+                             chunk_size=mask.chunk_size, **opts)
+    return res if opts["return_lse"] else (res, None)
+
+
+def _local_rows(out_buf: torch.Tensor, lse_buf: torch.Tensor | None, layout: LocalLayout):
+    """``(out, lse)`` of the local rows from those of the query buffer: dummy queries dropped,
+    padding rows zero (lse -inf)."""
+    if layout.q_identity:
+        return out_buf, lse_buf
+    out = torch.cat([out_buf, out_buf.new_zeros(1, *out_buf.shape[1:])]).index_select(0, layout.out_index)
+    if lse_buf is None:
+        return out, None
+    neg_inf = lse_buf.new_full((lse_buf.shape[0], 1), float("-inf"))
+    return out, torch.cat([lse_buf, neg_inf], dim=1).index_select(1, layout.out_index)
+
+
+# ------------------------------------------------------------------ overlapped executor
+@dataclasses.dataclass
+class _Group:
+    """One kv-head group of `_OverlappedGroups`: its heads, the all-gather of its shared rows, and
+    the leaves and results of its local attention graph (kept from forward to backward)."""
+
+    kv_heads: slice
+    q_heads: slice
+    kv_local: torch.Tensor | None  # the group's flat K/V of the local rows, until its key rows are built
+    gathered: Pending | None  # the all-gather of its rows of shared documents, until waited for
+    q: torch.Tensor | None = None  # leaf: the group's query heads of the query buffer
+    kv: torch.Tensor | None = None  # leaf: the group's flat key rows (`_key_rows`)
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
+def _start_group(k, v, kv_heads: slice, ratio: int, plan: CPPlan, layout: LocalLayout) -> _Group:
+    """Issue the all-gather of one group's K/V rows of shared documents (without waiting)."""
+    kv_local = _flat_kv(k[:, kv_heads], v[:, kv_heads])
+    gathered = start_gather_rows(kv_local.index_select(0, layout.send_index), layout.max_shared, plan.world,
+                                 plan.group)
+    q_heads = slice(kv_heads.start * ratio, kv_heads.stop * ratio)  # GQA: query head i uses kv head i // ratio
+    return _Group(kv_heads, q_heads, kv_local, gathered)
+
+
+def _attend(grp: _Group, q_buf, d: int, layout: LocalLayout, mask: Mask, opts: dict, track: bool) -> None:
+    """Wait for the group's gather, then run its local attention; with ``track``, as a graph on
+    detached leaves (for backward)."""
+    kv = _key_rows(grp.kv_local, grp.gathered.wait(), layout)
+    grp.kv_local = grp.gathered = None
+    with torch.set_grad_enabled(track):
+        grp.q = q_buf[:, grp.q_heads].detach().requires_grad_(track)
+        grp.kv = kv.requires_grad_(track)
+        k_buf, v_buf = _split_kv(grp.kv, grp.kv_heads.stop - grp.kv_heads.start, d)
+        grp.out, grp.lse = _local_attention(grp.q, k_buf, v_buf, layout, mask, opts)
+
+
+def _group_grads(grp: _Group, dout, dlse):
+    """``(dq, d flat key rows)`` of one group from its graph (``dout``/``dlse`` of all heads, or None)."""
+    outputs, grads = [], []
+    for result, grad, heads in ((grp.out, dout, (slice(None), grp.q_heads)), (grp.lse, dlse, (grp.q_heads,))):
+        if grad is not None:
+            outputs.append(result)
+            grads.append(grad[heads].contiguous())
+    return torch.autograd.grad(outputs, (grp.q, grp.kv), grads, materialize_grads=True)
+
+
+class _OverlappedGroups(torch.autograd.Function):
+    """``(q_buf, k, v) -> out_buf (, lse_buf)``: the local attention with the K/V of shared documents
+    all-gathered per kv-head group, each group's communication overlapping another group's compute
+    (module docstring, "Overlap"). ``q_buf``: the query buffer; ``k, v``: the local rows; ``track``:
+    keep each group's graph for backward (something needs gradients)."""
+
+    @staticmethod
+    def forward(ctx, q_buf, k, v, plan: CPPlan, layout: LocalLayout, mask: Mask, opts: dict, kv_groups: list,
+                track: bool):
+        ratio = q_buf.shape[1] // k.shape[1]
+        groups = [_start_group(k, v, heads, ratio, plan, layout) for heads in kv_groups]  # all in flight
+        for grp in groups:
+            _attend(grp, q_buf, k.shape[2], layout, mask, opts, track)
+        ctx.groups, ctx.plan, ctx.layout = (groups if track else None), plan, layout
+        ctx.num_local, ctx.d = k.shape[0], k.shape[2]
+        ctx.set_materialize_grads(False)
+        out = torch.cat([grp.out.detach() for grp in groups], dim=1)
+        if not opts["return_lse"]:
+            return out
+        return out, torch.cat([grp.lse.detach() for grp in groups], dim=0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse=None):
+        groups, plan, layout = ctx.groups, ctx.plan, ctx.layout
+        if groups is None:
+            raise RuntimeError("the overlapped all-gather runs backward once (no retain_graph); "
+                               "use overlap_groups=1 to backward through it twice")
+        ctx.groups = None
+        heads = [grp.kv_heads.stop - grp.kv_heads.start for grp in groups]
+        dq, dkv, reduced = [None] * len(groups), [None] * len(groups), [None] * len(groups)
+        for g in reversed(range(len(groups))):  # each reduce-scatter travels during the next group's backward
+            dq[g], dkv_rows = _group_grads(groups[g], dout, dlse)
+            groups[g] = None  # its graph is consumed
+            dkv[g], d_gathered = _key_rows_grad(dkv_rows, layout, ctx.num_local, plan.world * layout.max_shared)
+            reduced[g] = start_reduce_scatter_rows(d_gathered, layout.send_index.numel(), layout.max_shared,
+                                                   plan.world, plan.group)
+        for g in reversed(range(len(groups))):  # in the order issued
+            dkv[g].index_add_(0, layout.send_index, reduced[g].wait())
+        dk, dv = zip(*(_split_kv(dkv[g], heads[g], ctx.d) for g in range(len(groups))))
+        return torch.cat(dq, dim=1), torch.cat(dk, dim=1), torch.cat(dv, dim=1), None, None, None, None, None, None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,38 +351,28 @@ def attention(
     backend: str = "auto",
     return_lse: bool = False,
     deterministic: bool = False,
+    overlap_groups: int | None = None,
 ):
-    """The all-gather executor of `packattn.cp.attention` (arguments checked there)."""
+    """The all-gather executor of `packattn.cp.attention` (arguments checked there). ``overlap_groups``:
+    kv-head groups whose communication overlaps compute (`resolve_overlap_groups`; module docstring)."""
     mask = Mask.make(causal, window, chunk_size)
+    groups = resolve_overlap_groups(overlap_groups, k.shape[1])
     layout = plan.cached(("allgather", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
+    opts = {"scale": scale, "backend": backend, "return_lse": return_lse, "deterministic": deterministic}
 
-    n, hk, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
+    q_buf = _query_buffer(q, layout)
     if layout.kv_identity:  # every key this rank needs is its own, in order (e.g. whole documents)
-        k_buf, v_buf = k, v
-    else:
-        kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)  # one collective for both
+        out_buf, lse_buf = _local_attention(q_buf, k, v, layout, mask, opts)
+    elif layout.max_shared == 0 or groups == 1:  # one collective (or none), autograd through gather_rows
+        kv = _flat_kv(k, v)
+        shared = None
         if layout.max_shared:
             shared = gather_rows(kv.index_select(0, layout.send_index), layout.max_shared, plan.world, plan.group)
-            kv = torch.cat([kv, shared])
-        kv_buf = kv.index_select(0, layout.kv_index)
-        k_buf = kv_buf[:, : hk * d].reshape(-1, hk, d)
-        v_buf = kv_buf[:, hk * d:].reshape(-1, hk, dv)
-    q_buf = q if layout.q_identity else torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
-
-    hq = q.shape[1]
-    if layout.seqs.num_seqs == 0:  # nothing local; stay attached to the graph so backward runs
-        tie = q_buf.flatten()[:0].sum() + k_buf.flatten()[:0].sum() + v_buf.flatten()[:0].sum()
-        out_buf = q.new_zeros(0, hq, dv) + tie
-        lse_buf = torch.zeros(hq, 0, dtype=torch.float32, device=q.device)
+        k_buf, v_buf = _split_kv(_key_rows(kv, shared, layout), k.shape[1], k.shape[2])
+        out_buf, lse_buf = _local_attention(q_buf, k_buf, v_buf, layout, mask, opts)
     else:
-        res = packattn.attention(q_buf, k_buf, v_buf, layout.seqs, causal=mask.causal, window=mask.window,
-                                 chunk_size=mask.chunk_size, scale=scale, backend=backend,
-                                 return_lse=return_lse, deterministic=deterministic)
+        track = torch.is_grad_enabled() and any(t.requires_grad for t in (q_buf, k, v))  # keep graphs for backward
+        res = _OverlappedGroups.apply(q_buf, k, v, plan, layout, mask, opts, head_groups(k.shape[1], groups), track)
         out_buf, lse_buf = res if return_lse else (res, None)
-    if layout.q_identity:
-        return (out_buf, lse_buf) if return_lse else out_buf
-    out = torch.cat([out_buf, out_buf.new_zeros(1, hq, dv)]).index_select(0, layout.out_index)
-    if not return_lse:
-        return out
-    neg_inf = lse_buf.new_full((hq, 1), float("-inf"))
-    return out, torch.cat([lse_buf, neg_inf], dim=1).index_select(1, layout.out_index)
+    out, lse = _local_rows(out_buf, lse_buf, layout)
+    return (out, lse) if return_lse else out

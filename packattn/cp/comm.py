@@ -1,6 +1,10 @@
-"""Collectives with autograd for context parallelism (any backend: gloo on CPU, NCCL on GPUs)."""
+"""Collectives with autograd for context parallelism (any backend: gloo on CPU, NCCL on GPUs),
+and the asynchronous halves they are made of (`start_gather_rows`, `start_reduce_scatter_rows`),
+for executors that overlap communication with compute."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -23,22 +27,48 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, max_rows: int, world: int, group):
         ctx.rows, ctx.max_rows, ctx.world, ctx.group = x.shape[0], max_rows, world, group
-        out = x.new_empty(world * max_rows, *x.shape[1:])
-        if world == 1:
-            out.copy_(_pad_rows(x, max_rows))
-        else:
-            _all_gather(out, _pad_rows(x, max_rows), group=group)
-        return out
+        return start_gather_rows(x, max_rows, world, group).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        mine = grad.new_empty(ctx.max_rows, *grad.shape[1:])
-        if ctx.world == 1:
-            mine.copy_(grad)
-        else:
-            _reduce_scatter(mine, grad, group=ctx.group)
-        return mine[: ctx.rows], None, None, None
+        mine = start_reduce_scatter_rows(grad, ctx.rows, ctx.max_rows, ctx.world, ctx.group).wait()
+        return mine, None, None, None
+
+
+@dataclasses.dataclass
+class Pending:
+    """A collective issued with ``async_op=True``: ``wait()`` returns its result once it is complete
+    (on CUDA: once the current stream is ordered after it, without blocking the host)."""
+
+    result: torch.Tensor  # not valid before wait()
+    work: object | None  # the torch.distributed work handle; None when nothing was communicated
+    sent: torch.Tensor | None  # the collective's input, kept alive until it completes
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.sent = None
+        return self.result
+
+
+def start_gather_rows(x: torch.Tensor, max_rows: int, world: int, group=None) -> Pending:
+    """Issue the all-gather of `gather_rows` (no autograd): every rank's ``x`` (padded to
+    ``max_rows``) stacked into ``(world * max_rows, ...)``."""
+    sent = _pad_rows(x, max_rows)
+    out = x.new_empty(world * max_rows, *x.shape[1:])
+    if world == 1:
+        return Pending(out.copy_(sent), None, None)
+    return Pending(out, _all_gather(out, sent, group=group, async_op=True), sent)
+
+
+def start_reduce_scatter_rows(grad: torch.Tensor, rows: int, max_rows: int, world: int, group=None) -> Pending:
+    """Issue the reduce-scatter of `gather_rows`'s backward (no autograd): ``grad (world *
+    max_rows, ...)`` summed over ranks in a fixed order; the result is this rank's first ``rows``."""
+    grad = grad.contiguous()
+    mine = grad.new_empty(max_rows, *grad.shape[1:])
+    if world == 1:
+        return Pending(mine.copy_(grad)[:rows], None, None)
+    return Pending(mine[:rows], _reduce_scatter(mine, grad, group=group, async_op=True), grad)
 
 
 def gather_rows(x: torch.Tensor, max_rows: int, world: int, group=None) -> torch.Tensor:

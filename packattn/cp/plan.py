@@ -51,6 +51,13 @@ def _piece_of_position(pos: torch.Tensor, lengths: torch.Tensor, num_pieces: int
     return torch.where(pos < boundary, in_long, in_short)
 
 
+def zigzag_rank(pos: torch.Tensor, lengths: torch.Tensor, world: int) -> torch.Tensor:
+    """The rank holding position ``pos`` of a document of ``lengths`` cut zigzag: ``2 * world``
+    pieces as even as possible (`piece_bounds`), rank ``r`` holding pieces ``r`` and ``2 * world - 1 - r``."""
+    piece = _piece_of_position(pos, lengths, 2 * world)
+    return torch.where(piece < world, piece, 2 * world - 1 - piece)
+
+
 @dataclass(eq=False)
 class CPPlan:
     """Row ownership for one batch on one rank; see the module docstring.
@@ -82,7 +89,7 @@ class CPPlan:
     inner_world: int = 1
     inner_rank: int = 0
     # a Tree descriptor only (see packattn.cp.tree): the sub-forest of this rank's whole root subtrees
-    # (None when the rank holds no root)
+    # (None when the rank holds no root, or holds part of a root cut across ranks)
     local_tree: object = field(default=None, repr=False)
 
     @property
@@ -131,8 +138,9 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
          outer: str | None = None) -> CPPlan:
     """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
 
-    ``descriptor``: a `Varlen`, or a `packattn.Tree` (each root's subtree whole on one rank, nothing
-    communicated, any strategy; see `packattn.cp.tree`).
+    ``descriptor``: a `Varlen`, or a `packattn.Tree` (small roots' subtrees whole on one rank; with
+    ``strategy="allgather"`` a root larger than half a rank's share is cut across ranks and the
+    ancestors' K/V gathered, other strategies keep it whole; see `packattn.cp.tree`).
 
     ``group``: a process group, a 1-D ``DeviceMesh`` (its group), or for ``strategy="a2a+p2p"`` a
     2-D ``DeviceMesh`` (outer dimension: all-gather / P2P of K/V; inner: all-to-all over heads;
@@ -151,8 +159,8 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
         from packattn.cp.tree import build_tree_plan  # local import: tree imports this module
 
         if type(group).__name__ == "DeviceMesh" and group.ndim != 1:
-            raise ValueError("a Tree plan takes a process group or a 1-D DeviceMesh (no K/V is communicated, "
-                             "so no mesh dimensions are needed)")
+            raise ValueError("a Tree plan takes a process group or a 1-D DeviceMesh (only the K/V of ancestors "
+                             "of cut roots are all-gathered, over one group)")
         world, rank, group = _world_and_rank(group, world, rank)
         return build_tree_plan(descriptor, group, world, rank, strategy, balance)
     if not isinstance(descriptor, Varlen):
@@ -248,9 +256,7 @@ def _row_owner(seq: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor, worl
     is_doc = seq >= 0
     doc = seq.clamp_min(0)
     doc_len = lengths[doc] if lengths.numel() else torch.zeros_like(seq)
-    num_pieces = world if balance == "contiguous" else 2 * world
-    piece = _piece_of_position(pos, doc_len, num_pieces)
-    owner = piece if balance == "contiguous" else torch.where(piece < world, piece, num_pieces - 1 - piece)
+    owner = _piece_of_position(pos, doc_len, world) if balance == "contiguous" else zigzag_rank(pos, doc_len, world)
     if balance == "documents" and lengths.numel():
         whole = document_ranks(lengths, world)[doc]
         owner = torch.where(whole >= 0, whole, owner)
