@@ -24,7 +24,7 @@ from cp_harness import check, errors_vs_single, finish, init_gloo, max_err, spaw
 from packattn import cp
 from packattn import mask as masks
 from packattn.backends.base import Backend
-from packattn.cp import ring
+from packattn.cp import ring, ring_layout
 from packattn.varlen import Varlen
 
 WORLDS = (2, 4)
@@ -40,29 +40,50 @@ DOCS = {
     "singles": dict(lengths=[1, 1, 1], pad=None),  # every document whole on one rank: no messages at all
 }
 MASKS = {"causal": dict(causal=True), "top_left": dict(causal="top_left"), "full": dict()}
+WINDOW_MASKS = {  # visibility cuts through pieces: per (query piece, key piece) pair, trimmed
+    "win_3_0": dict(window=(3, 0)),  # left only, not causal
+    "win_2_3": dict(window=(2, 3)),  # keys before and after the queries
+    "win_inf_2": dict(window=(-1, 2)),  # right only
+    "causal_win": dict(causal=True, window=(4, 0)),
+    "top_left_win": dict(causal="top_left", window=(4, 0)),
+    "causal_chunk": dict(causal=True, chunk_size=4),
+    "chunk": dict(chunk_size=5),
+    "chunk_win": dict(causal=True, chunk_size=6, window=(2, 0)),
+    "chunk_win_2_2": dict(chunk_size=4, window=(2, 2)),
+}
+MASKS.update(WINDOW_MASKS)
 HEADS = [(4, 4, 8, 8), (4, 2, 8, 6), (4, 1, 4, 4)]  # (heads_q, heads_kv, head_dim, head_dim_v)
 TRITON_HEADS = (2, 1, 32, 32)  # the Triton kernels take head dims 32, 64, ...
 
 
 def _cases():
     cases = {}
-    for i, (doc, mask, balance) in enumerate(itertools.product(DOCS, MASKS, ("zigzag", "contiguous"))):
+    for i, (doc, mask, balance) in enumerate(itertools.product(DOCS, ("causal", "top_left", "full"),
+                                                               ("zigzag", "contiguous"))):
         cases[f"{doc}-{mask}-{balance}"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3],
                                                 dtype="float64", seed=i, backend="reference", tol=TOL64_LSE32)
     for i, (doc, mask) in enumerate(itertools.product(DOCS, ("causal", "full"))):  # top_left: the same as causal
         balance = ("zigzag", "contiguous")[(i + i // 2) % 2]
         cases[f"{doc}-{mask}-{balance}-exact64"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3],
                                                         dtype="float64", seed=100 + i, backend="exact64", tol=TOL64)
+    windowed = [*itertools.product(WINDOW_MASKS, ("nasty", "one_doc", "padded")),
+                ("win_2_3", "tiny"), ("chunk_win", "tiny"), ("causal_win", "singles"), ("chunk_win_2_2", "singles")]
+    for i, (mask, doc) in enumerate(windowed):  # float64 lse (exact64), but every third with the reference backend
+        balance, backend = ("zigzag", "contiguous")[i % 2], ("exact64", "exact64", "reference")[i % 3]
+        cases[f"{doc}-{mask}-{balance}-{backend}"] = dict(
+            doc=doc, mask=mask, balance=balance, heads=HEADS[i % 3], dtype="float64", seed=200 + i, backend=backend,
+            tol=TOL64 if backend == "exact64" else TOL64_LSE32)
     for doc, mask, balance in (("nasty", "causal", "zigzag"), ("padded", "full", "contiguous"),
-                               ("one_doc", "causal", "contiguous")):
+                               ("one_doc", "causal", "contiguous"), ("one_doc", "chunk_win_2_2", "zigzag")):
         cases[f"{doc}-{mask}-{balance}-float32"] = dict(doc=doc, mask=mask, balance=balance, heads=HEADS[1],
                                                         dtype="float32", seed=1000, backend="reference", tol=None)
-    for doc, mask in (("nasty", "causal"), ("padded", "full")):  # two deterministic=True runs, bitwise
+    for doc, mask in (("nasty", "causal"), ("padded", "full"), ("one_doc", "win_2_3")):  # two runs, bitwise
         cases[f"{doc}-{mask}-deterministic"] = dict(doc=doc, mask=mask, balance="zigzag", heads=HEADS[1],
                                                     dtype="float32", seed=2000, backend="reference", tol=None,
                                                     deterministic=True)
-    if ring_triton_available():  # Triton's interpreter on CPU is slow: two small cases, world 2 only
-        for doc, mask, balance in (("padded", "causal", "zigzag"), ("one_doc", "full", "contiguous")):
+    if ring_triton_available():  # Triton's interpreter on CPU is slow: three small cases, world 2 only
+        for doc, mask, balance in (("padded", "causal", "zigzag"), ("one_doc", "full", "contiguous"),
+                                   ("one_doc", "win_2_3", "zigzag")):
             cases[f"{doc}-{mask}-{balance}-triton"] = dict(doc=doc, mask=mask, balance=balance, heads=TRITON_HEADS,
                                                            dtype="float32", seed=3000, backend="triton", tol=None,
                                                            worlds=(2,))
@@ -73,6 +94,8 @@ def _cases():
 LSE_LOSS_CASES = [("nasty", "causal", "zigzag", "exact64", "float64"),
                   ("padded", "full", "contiguous", "exact64", "float64"),
                   ("one_doc", "causal", "contiguous", "reference", "float32"),
+                  ("one_doc", "chunk_win_2_2", "zigzag", "exact64", "float64"),  # dummy queries see zero dlse
+                  ("padded", "causal_win", "contiguous", "exact64", "float64"),
                   ("tiny", "causal", "zigzag", "triton", "float32")]
 
 
@@ -266,55 +289,59 @@ def test_cp_ring_in_subgroups(results, name):
 
 
 # ------------------------------------------------------------------ no process group needed
-@pytest.mark.parametrize("options", [dict(causal=True, window=(3, 0)), dict(window=(2, 2)), dict(chunk_size=4),
-                                     dict(causal=True, chunk_size=8)])
-def test_cp_ring_windows_and_chunks_not_implemented(options):
-    seqs = Varlen.from_lengths([5, 9])
-    plan = cp.plan(seqs, world=2, rank=0, strategy="p2p")  # no process group: raising must come first
-    q = torch.randn(plan.num_local, 2, 8)
-    with pytest.raises(NotImplementedError, match="allgather"):
-        cp.attention(q, q, q, plan, **options)
-
-
-def _global_pairs(plans, causal: bool):
-    """Every (query row, key row) pair the ring's layouts compute, over all ranks and steps."""
-    layouts = [ring.build_layout(p, causal, "cpu") for p in plans]
+def _global_pairs(plans, mask):
+    """Every (query row, key row) pair the ring's layouts compute, over all ranks, steps and parts
+    (dummy query rows left out). Checks on the way that no local sequence is invisible (such pairs
+    are skipped) and that a sequence has fewer dummy queries than keys."""
+    layouts = [ring_layout.build_layout(p, mask, "cpu") for p in plans]
     pairs = []
     for p, layout in zip(plans, layouts):
         for step in layout.steps:
-            if step.seqs is None:
-                continue
-            if step.src < 0:
-                keys = p.local_rows[step.kv_index]
-            else:
-                keys = plans[step.src].local_rows[layouts[step.src].own_rows[step.kv_index]]
-            queries = p.local_rows[step.q_index]
-            qs, ks = step.seqs.host_starts_q, step.seqs.host_starts_kv
-            for i, (lq, lk) in enumerate(zip(step.seqs.lengths_q, step.seqs.lengths_kv)):
-                vis = masks.dense_mask(step.mask, lq, lk)
-                qi, ki = vis.nonzero().unbind(1)
-                pairs += list(zip(queries[qs[i] + qi].tolist(), keys[ks[i] + ki].tolist()))
+            for part in step.parts:
+                if step.src < 0:
+                    keys = p.local_rows[part.kv.index]
+                else:
+                    keys = plans[step.src].local_rows[layouts[step.src].own_rows[part.kv.index]]
+                queries = torch.cat([p.local_rows, torch.tensor([-1])])[part.q.index]  # -1: a dummy row
+                qs, ks = part.seqs.host_starts_q, part.seqs.host_starts_kv
+                for i, (lq, lk) in enumerate(zip(part.seqs.lengths_q, part.seqs.lengths_kv)):
+                    vis = masks.dense_mask(part.mask, lq, lk)
+                    qi, ki = vis.nonzero().unbind(1)
+                    seen = [pair for pair in zip(queries[qs[i] + qi].tolist(), keys[ks[i] + ki].tolist())
+                            if pair[0] >= 0]
+                    assert seen, f"an invisible local sequence in {part.mask.describe()}"
+                    assert int((queries[qs[i]: qs[i] + lq] < 0).sum()) < lk
+                    pairs += seen
     return pairs
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+LAYOUT_MASKS = {"causal": dict(causal=True), "full": dict(), "causal_win": dict(causal=True, window=(5, 0)),
+                "win_2_3": dict(window=(2, 3)), "win_inf_4": dict(window=(-1, 4)), "win_9_inf": dict(window=(9, -1)),
+                "causal_chunk": dict(causal=True, chunk_size=4), "chunk": dict(chunk_size=6),
+                "chunk_win": dict(causal=True, chunk_size=7, window=(3, 0)),
+                "chunk_win_2_2": dict(chunk_size=5, window=(2, 2))}
+
+
+@pytest.mark.parametrize("mask", list(LAYOUT_MASKS))
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_ring_layout_computes_every_visible_pair_once(world, balance, causal):
-    seqs = Varlen.from_lengths([1, 0, 7, 3, 29, 2, 16], pad_to_multiple=3)
+def test_ring_layout_computes_every_visible_pair_once(world, balance, mask):
+    """Host only: over all ranks, the steps' parts compute each visible (query, key) pair of the
+    global batch exactly once and no other pair (windows and chunks: trimmed pairs, dummy rows)."""
+    seqs = Varlen.from_lengths([1, 0, 7, 3, 29, 2, 16, 40], pad_to_multiple=3)
     plans = [cp.plan(seqs, world=world, rank=r, strategy="p2p", balance=balance) for r in range(world)]
-    pairs = _global_pairs(plans, causal)
+    m = masks.Mask.make(**LAYOUT_MASKS[mask])
+    pairs = _global_pairs(plans, m)
     assert len(pairs) == len(set(pairs))
-    seq, pos = seqs.row_map_q()
     expected = set()
-    for i, (start, length) in enumerate(zip(seqs.host_starts_q, seqs.lengths_q)):
-        vis = masks.dense_mask(masks.Mask.make(causal), length, length)
+    for start, length in zip(seqs.host_starts_q, seqs.lengths_q):
+        vis = masks.dense_mask(m, length, length)
         expected |= {(start + a, start + b) for a, b in vis.nonzero().tolist()}
     assert set(pairs) == expected
 
 
 def test_duplicate_free_passes():
     index = torch.tensor([3, 1, 3, 2, 3, 1])
-    passes = ring._duplicate_free_passes(index)
+    passes = ring_layout._duplicate_free_passes(index)
     assert [p.tolist() for p in passes] == [[0, 1, 3], [2, 5], [4]]
-    assert ring._duplicate_free_passes(torch.tensor([4, 0, 2])) == ()
+    assert ring_layout._duplicate_free_passes(torch.tensor([4, 0, 2])) == ()

@@ -10,10 +10,9 @@ v1: strategy "allgather" (all-gather K/V, reduce-scatter dK/dV) with zigzag or c
 balance; "a2a" (all-to-all over heads, Ulysses: `packattn.cp.alltoall`); "a2a+p2p" on a 2-D
 DeviceMesh (all-to-all inside the inner dimension, K/V exchange across the outer:
 `packattn.cp.hybrid`); "p2p" (P2P ring: K/V rotate rank to rank, sends overlapping compute;
-causal or full masks: `packattn.cp.ring`); `packattn.Tree` descriptors (`packattn.cp.tree`: root
-subtrees per rank, large roots cut with "allgather"); "allgather" overlaps its collectives with
-compute per group of kv heads (``overlap_groups``). Not yet: windows and chunks in the ring (use
-"allgather").
+every mask, windows and chunks included: `packattn.cp.ring`); `packattn.Tree` descriptors
+(`packattn.cp.tree`: root subtrees per rank, large roots cut with "allgather"); "allgather"
+overlaps its collectives with compute per group of kv heads (``overlap_groups``).
 """
 
 from packattn.cp.api import attention

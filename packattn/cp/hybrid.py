@@ -31,9 +31,11 @@ Backward runs the same three steps in reverse through autograd.
 Outer executor, chosen by name with ``plan(..., outer=NAME)``: ``"allgather"``
 (`packattn.cp.allgather`: all-gather K/V, reduce-scatter dK/dV) or ``"p2p"`` (the P2P ring of
 `packattn.cp.ring`). The default is ``"p2p"`` when the module ``packattn.cp.ring`` exists, else
-``"allgather"`` (`default_outer`); ``plan.outer.strategy`` says which one a plan uses. The ring
-runs causal and full masks only, so with ``"p2p"`` a call with a window or ``chunk_size`` runs its
-outer exchange with the all-gather executor over the same outer plan (`outer_executor`).
+``"allgather"`` (`default_outer`); ``plan.outer.strategy`` says which one a plan uses. With
+``"p2p"`` a call with a window or ``chunk_size`` runs its outer exchange with the all-gather
+executor over the same outer plan (`outer_executor`): the ring runs those masks too, but as several
+parts per step merged through the backend's lse (float32 in most backends), while the all-gather
+runs each local problem once, exactly.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def _inner_exchange(plan: CPPlan, device) -> Exchange:
 # ------------------------------------------------------------------ executor
 def outer_executor(plan: CPPlan, mask: Mask) -> str:
     """The executor of the outer exchange for ``mask``: ``plan.outer.strategy``, except "allgather"
-    for a window or chunk mask under "p2p" (the ring runs causal and full masks only)."""
+    for a window or chunk mask under "p2p" (module docstring)."""
     name = plan.outer.strategy
     if name == "p2p" and (mask.window is not None or mask.chunk_size is not None):
         return "allgather"

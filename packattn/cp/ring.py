@@ -8,7 +8,10 @@ its local rows (nothing else lies between them), and the keys a piece needs from
 are a run of that rank's pieces of the same document.
 
 Steps. There are ``world`` steps; at step ``s`` a rank holds the K/V of source rank
-``src = (rank - s) % world``:
+``src = (rank - s) % world``. A step is a few *parts*, each one `packattn.attention` call: local
+sequences (a block of local query rows against a block of the held key rows) under one mask.
+
+Causal or no mask: visibility is whole pieces, one part per step.
 
 * step 0 (own K/V): one local sequence per document, queries and keys = this rank's pieces of it
   concatenated, with the causal mask when the call is causal. The pieces keep their global order,
@@ -22,7 +25,34 @@ Steps. There are ``world`` steps; at step ``s`` a rank holds the K/V of source r
   local row is in at most one sequence per step. The step is one `packattn.attention` call without
   mask on the gathered queries and the source's gathered K/V (skipped if nothing is visible).
 
-Each step returns ``(out_s, lse_s)``; the running result is merged through the log-sum-exp in
+Windows and ``chunk_size``: visibility cuts through pieces, so every step (step 0 too) pairs each
+query piece with each key piece of its document that the rank holds at that step. With
+``chunk_size`` the pieces are first cut at the chunk boundaries (global multiples of ``chunk_size``
+from the document start) and only pieces of the same chunk are paired: inside one chunk the chunk
+rule holds for every (query, key), so no local mask below has a chunk rule. A pair is trimmed to
+``[qa, qb) x [ka, kb)``: the keys some of its queries see (`mask.block_key_range`) and the queries
+that see some of those (`mask.block_query_range`); an empty one is skipped, no compute. What is
+left is one local sequence in one of three parts (``l, r``: the window's left and right, causal
+meaning ``r = 0``; bottom-right alignment puts local query ``i`` at key
+``i + len_kv - len_q``):
+
+* ``full``, no mask: every query of the rectangle sees every key;
+* ``self``, the call's mask without its chunk rule: a piece (cut at chunks) of step 0 with itself;
+* ``edge``, window ``(0, -1)`` (key ``j`` visible iff ``j >= i + len_kv - len_q``): keys before
+  the queries (``kb <= qa``) seen through the left window, ``g >= p - l``. The local queries are
+  ``[qa, kb + l)`` over the keys ``[ka, kb)``, which puts query ``p`` at key position ``p - l``:
+  exactly the global rule. Rows ``[qb, kb + l)`` are dummy queries (``qb <= kb + l``: later
+  queries see none of the keys). Keys after the queries (``ka >= qb``, a non-causal right
+  window: ``g <= p + r``) are the same problem mirrored (positions ``x -> -1 - x``, so the rule
+  reads ``g' >= p' - r``): queries and keys in descending order, local queries ``[qa', kb' + r)``
+  in mirrored positions, the dummy rows being the positions ``[ka - r, qa)``.
+
+Dummy queries are zero rows whose results are dropped; their gradients are zero (zero ``dout``
+and ``dlse``), so they only cost compute: fewer rows than the sequence has keys, since an edge
+pair is only partly visible. A query row can be in several sequences of one part (a piece seeing
+two pieces of a source): its results merge, and its dq adds, in duplicate-free passes.
+
+Each part returns ``(out_s, lse_s)``; the running result is merged through the log-sum-exp in
 float32 (float64 for float64 inputs): ``lse = logaddexp(lse, lse_s)``, ``out = w * out +
 w_s * out_s`` with ``w = exp(lse_old - lse)``, ``w_s = exp(lse_s - lse)`` (0 for -inf). Rows that
 see nothing keep ``out = 0``, ``lse = -inf``; no NaN.
@@ -38,24 +68,24 @@ Backward (the whole ring is one ``torch.autograd.Function``: only the local q, k
 and lse are saved). K/V rotate again; a float32 dK/dV accumulator for the source's travelling
 rows follows one step behind them (sent as soon as a step's contribution is added, waited for
 only when the next step adds its own), and after the last step it arrives back at its owner,
-who adds it to its own step-0 gradient. Per step, two ways to get the step's dq/dk/dv:
+who adds it to its own step-0 gradient. Per part, two ways to get its dq/dk/dv:
 
 * any backend: recompute ``(out_s, lse_s)`` with autograd and take gradients with
   ``grad_out = w_s * dout`` and ``grad_lse = w_s * (rowsum(dout * (out_s - out)) + dlse)``,
   ``w_s = exp(lse_s - lse)`` (exactly the chain rule through the merge);
-* when the step resolves to backend ``"triton"`` (`packattn.dispatch`): the Triton backward
+* when the part resolves to backend ``"triton"`` (`packattn.dispatch`): the Triton backward
   ``packattn::varlen_bwd`` with the GLOBAL out and lse, whose softmax and
   ``delta = rowsum(dout * out) - dlse`` are then the global ones: no recompute.
 
-Reduction order is fixed (dq: steps in order; dK/dV of a row: its owner's step 0, then the ranks
-after it around the ring; a K/V row used by several sequences of a step is scattered in a fixed
-sequence of duplicate-free passes), so results are deterministic for a fixed world size whether or
-not ``deterministic=True``; that flag is passed on to every step's backend.
+Reduction order is fixed (dq: steps, then parts, in order; dK/dV of a row: its owner's step 0,
+then the ranks after it around the ring; a row used by several sequences of a part is merged or
+scattered in a fixed sequence of duplicate-free passes), so results are deterministic for a fixed
+world size whether or not ``deterministic=True``; that flag is passed on to every part's backend.
 
-Not supported (``NotImplementedError``, raised before any communication): windows and
-``chunk_size``, whose visibility is not whole pieces; use ``strategy="allgather"`` for those.
-Everything host-side (steps, index maps, descriptors) is built once per plan and mask and cached
-on the plan, so a call does no host sync on CUDA.
+When no document is shared by ranks (nothing travels), every local document is one whole piece and
+step 0 is one sequence per document under the call's mask, windows and chunks included.
+Everything host-side (steps, pairs, index maps, descriptors) is built once per plan and mask and
+cached on the plan, so a call does no host work and no host sync on CUDA.
 """
 
 from __future__ import annotations
@@ -69,144 +99,12 @@ import torch.distributed as dist
 import packattn
 from packattn import dispatch
 from packattn.cp.plan import CPPlan
-from packattn.cp.plan import plan as make_plan
+from packattn.cp.ring_layout import Part, RingLayout, Rows, _take, _with_zero_row, build_layout
 from packattn.mask import Mask
-from packattn.varlen import Varlen
 
 KV_TAG, DKV_TAG = 1, 2  # P2P tags of the K/V and dK/dV messages (gloo matches on them; NCCL ignores them)
 
 
-@dataclasses.dataclass
-class Step:
-    """One ring step of one rank: its local sequences against the source's K/V (on the device)."""
-
-    src: int
-    seqs: Varlen | None  # None: nothing visible at this step
-    mask: Mask  # step 0: the call's (causal or full); later steps: full
-    q_index: torch.Tensor  # (rows,) local row of each row of the step's query buffer
-    kv_index: torch.Tensor  # (rows,) row of each key of the step: local row (step 0) or row of src's message
-    kv_passes: tuple[torch.Tensor, ...]  # positions in kv_index in passes that repeat no row; () = no repeats
-
-
-@dataclasses.dataclass
-class RingLayout:
-    """Index maps of one plan for one mask on one device (built once, reused by every layer)."""
-
-    steps: list[Step]
-    send_index: torch.Tensor  # (message_rows,) local row of each message row, num_local for padding
-    own_rows: torch.Tensor  # (rows this rank sends,) local rows of the first rows of its message
-    message_rows: int  # rows of every message (0: nothing to exchange, no communication at all)
-    local_only: bool = False  # one step, over exactly the local rows in order: plain local attention
-
-
-# ------------------------------------------------------------------ host-side layout
-def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``cat(arange(s, s + n) for s, n in zip(starts, lengths))``."""
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return starts[seg] + torch.arange(seg.numel()) - offsets[seg]
-
-
-def _pieces_of(plan: CPPlan, rank: int) -> torch.Tensor:
-    if rank == plan.rank:
-        return plan.pieces
-    return plan.cached(("p2p pieces", rank), lambda: make_plan(
-        plan.descriptor, world=plan.world, rank=rank, strategy=plan.strategy, balance=plan.balance).pieces)
-
-
-def _duplicate_free_passes(index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Positions of ``index`` split into passes (in a fixed order) none of which repeats a value."""
-    if index.numel() == 0:
-        return ()
-    order = torch.sort(index, stable=True).indices
-    values = index[order]
-    new_run = torch.ones_like(values, dtype=torch.bool)
-    new_run[1:] = values[1:] != values[:-1]
-    run_start = torch.cummax(torch.where(new_run, torch.arange(values.numel()), 0), 0).values
-    occurrence = torch.empty_like(index)
-    occurrence[order] = torch.arange(values.numel()) - run_start
-    repeats = int(occurrence.max()) + 1
-    if repeats == 1:
-        return ()  # no repeated value: one pass over everything
-    return tuple((occurrence == r).nonzero().flatten() for r in range(repeats))
-
-
-def _step(src: int, mask: Mask, q_start, q_len, kv_start, kv_len, device) -> Step:
-    if q_len.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return Step(src, None, mask, empty, empty, ())
-    kv_index = _segments(kv_start, kv_len)
-    order = torch.argsort(kv_start)
-    overlap = bool((kv_start[order][1:] < (kv_start + kv_len)[order][:-1]).any())
-    passes = _duplicate_free_passes(kv_index) if overlap else ()  # zigzag and contiguous never overlap
-    seqs = Varlen.from_lengths(q_len.tolist(), None if src < 0 else kv_len.tolist(), device=device)
-    return Step(src, seqs, mask, _segments(q_start, q_len).to(device), kv_index.to(device),
-                tuple(p.to(device) for p in passes))
-
-
-def build_layout(plan: CPPlan, causal: bool, device) -> RingLayout:
-    world, rank = plan.world, plan.rank
-    pieces = [_pieces_of(plan, r) for r in range(world)]
-    num_docs = len(plan.descriptor.lengths_q)
-    holders = torch.zeros(num_docs, dtype=torch.int64)
-    for p in pieces:
-        holders[torch.unique(p[:, 0])] += 1
-    shared_doc = holders > 1  # documents whose rows must travel
-
-    # every rank's message: rows of its pieces of shared documents, in order
-    message_offset, message_len = [], []
-    for p in pieces:
-        n = (p[:, 2] - p[:, 1]) * shared_doc[p[:, 0]]
-        message_offset.append(torch.cumsum(n, 0) - n)
-        message_len.append(n)
-    message_rows = max(int(n.sum()) for n in message_len) if world > 1 else 0
-
-    mine = plan.pieces
-    doc, a, b, length, first = (c.contiguous() for c in mine.unbind(1))
-    local_start = torch.searchsorted(plan.local_rows, first + a)
-    own_rows = _segments(local_start, message_len[rank])
-    pad = torch.full((message_rows - own_rows.numel(),), plan.num_local, dtype=torch.int64)
-    send_index = torch.cat([own_rows, pad])
-
-    # step 0: one sequence per document, the rank's pieces of it (contiguous local rows)
-    docs, counts = torch.unique_consecutive(doc, return_counts=True)
-    first_piece = torch.cumsum(counts, 0) - counts
-    doc_rows = torch.zeros(docs.numel(), dtype=torch.int64).index_add_(
-        0, torch.repeat_interleave(torch.arange(docs.numel()), counts), b - a)
-    step0_mask = Mask.make(True) if causal else Mask()
-    steps = [_step(-1, step0_mask, local_start[first_piece], doc_rows, local_start[first_piece], doc_rows, device)]
-
-    q_first, doc_end = first + a, first + length
-    for s in range(1, world if message_rows else 1):
-        src = (rank - s) % world
-        sp = pieces[src]
-        s_first, s_last = sp[:, 4] + sp[:, 1], sp[:, 4] + sp[:, 2]
-        lo = torch.searchsorted(s_first, first)  # the source's first piece of each query piece's document
-        if causal:  # its pieces ending at or before the query piece
-            hi = torch.searchsorted(s_last, q_first, right=True)
-        else:  # all its pieces of the document
-            hi = torch.searchsorted(s_first, doc_end)
-        hi = torch.maximum(hi, lo)
-        seen = hi > lo
-        # query pieces (same document, consecutive) that see the same run of source pieces: one sequence
-        key = (lo * (sp.shape[0] + 1) + hi)[seen]
-        _, group_size = torch.unique_consecutive(key, return_counts=True)
-        group_first = torch.cumsum(group_size, 0) - group_size
-        group = torch.repeat_interleave(torch.arange(group_size.numel()), group_size)
-        q_len = torch.zeros(group_size.numel(), dtype=torch.int64).index_add_(0, group, (b - a)[seen])
-        q_start = local_start[seen][group_first]
-        g_lo, g_hi = lo[seen][group_first], hi[seen][group_first]
-        kv_start = message_offset[src][g_lo] if g_lo.numel() else g_lo
-        kv_len = (message_offset[src] + message_len[src])[g_hi - 1] - kv_start if g_lo.numel() else g_lo
-        steps.append(_step(src, Mask(), q_start, q_len, kv_start, kv_len, device))
-    step0 = steps[0]
-    identity = torch.arange(plan.num_local, device=device)
-    local_only = (len(steps) == 1 and step0.seqs is not None and torch.equal(step0.q_index, identity)
-                  and torch.equal(step0.kv_index, identity))
-    return RingLayout(steps, send_index.to(device), own_rows.to(device), message_rows, local_only)
-
-
-# ------------------------------------------------------------------ communication
 def _global_rank(group, group_rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return group_rank
@@ -227,9 +125,19 @@ def _wait(works: list) -> None:
 
 
 # ------------------------------------------------------------------ per step
-def _kv_of_step(step: Step, kv_local, kv_message, hk: int, d: int, dv: int):
-    buf = (kv_local if step.src < 0 else kv_message).index_select(0, step.kv_index)
+def _kv_of_part(src: int, part: Part, kv_local, kv_message, hk: int, d: int, dv: int):
+    """The part's K and V buffers, from the local rows (step 0, ``src`` -1) or the message held."""
+    buf = part.kv.gather(kv_local if src < 0 else kv_message)
     return buf[:, : hk * d].reshape(-1, hk, d), buf[:, hk * d:].reshape(-1, hk, dv)
+
+
+def _attend(q, k, v, part: Part, opts: dict, return_lse: bool = True):
+    """``(out, lse)`` (``out`` without ``return_lse``) of one part's sequences: `packattn.attention`
+    with the part's mask."""
+    mask = part.mask
+    causal = "top_left" if mask.causal and mask.align == "top_left" else mask.causal
+    return packattn.attention(q, k, v, part.seqs, causal=causal, window=mask.window, chunk_size=mask.chunk_size,
+                              return_lse=return_lse, **opts)
 
 
 def _weights(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -238,8 +146,15 @@ def _weights(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(lse_part - safe)
 
 
-def _merge(acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """Fold one step's ``(out, lse)`` for local rows ``index`` into the running result, in place."""
+def _merge(acc: torch.Tensor, lse_acc: torch.Tensor, rows: Rows, out: torch.Tensor, lse: torch.Tensor):
+    """Fold one part's ``(out, lse)`` into the running result of its query rows, in place (dummy
+    rows dropped; a row in several sequences merged once per pass)."""
+    for positions, index in rows.groups():
+        _merge_rows(acc, lse_acc, index, _take(out, positions), _take(lse, positions, 1))
+
+
+def _merge_rows(acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """Fold ``(out, lse)`` of local rows ``index`` (no repeats) into the running result, in place."""
     old_out, old_lse = acc.index_select(0, index), lse_acc.index_select(1, index)
     lse = lse.to(lse_acc.dtype)
     new_lse = torch.logaddexp(old_lse, lse)
@@ -249,23 +164,23 @@ def _merge(acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: t
     lse_acc.index_copy_(1, index, new_lse)
 
 
-def _use_triton(step: Step, q, k, v, backend: str, deterministic: bool) -> bool:
-    """Would `packattn.attention` run this step (with gradients) on our Triton varlen kernels?"""
-    seqs = step.seqs
+def _use_triton(part: Part, q, k, v, backend: str, deterministic: bool) -> bool:
+    """Would `packattn.attention` run this part (with gradients) on our Triton varlen kernels?"""
+    seqs = part.seqs
     params = dispatch.Params(
         device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[2],
         head_dim_v=v.shape[2], kind="varlen", pad_between_seqs=False, is_self=seqs.is_self, host_lengths=True,
         max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
         max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv),
-        mask=step.mask, return_lse=True, deterministic=deterministic, requires_grad=True)
+        mask=part.mask, return_lse=True, deterministic=deterministic, requires_grad=True)
     return dispatch.select(params, backend).name == "triton"
 
 
-def _step_grads_triton(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, scale: float):
-    """dq, dk, dv of one step from ``packattn::varlen_bwd`` with the global out and lse."""
+def _step_grads_triton(part: Part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, scale: float):
+    """dq, dk, dv of one part from ``packattn::varlen_bwd`` with the global out and lse."""
     from packattn.backends import triton_varlen
 
-    seqs, mask = step.seqs, step.mask
+    seqs, mask = part.seqs, part.mask
     sign = 1.0
     if scale < 0:  # the kernels need scale >= 0 (as in TritonVarlenBackend.run)
         q_s, scale, sign = -q_s, -scale, -1.0
@@ -275,17 +190,18 @@ def _step_grads_triton(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, 
     dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, *triton_varlen.dkdv_blocks(q_s, k_s, v_s))
     dq, dk, dv = triton_varlen.varlen_bwd_call(
         dout_s, dlse_s, q_s, k_s, v_s, out_g, lse_g.float().contiguous(), seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
-        seqs.cu_seqlens_q, seqs.cu_seqlens_kv, dq_tiles, dkdv_tiles, scale, mask.left, mask.right, 0,
-        mask.align == "top_left", False, False)
+        seqs.cu_seqlens_q, seqs.cu_seqlens_kv, dq_tiles, dkdv_tiles, scale, mask.left, mask.right,
+        mask.chunk_size or 0, mask.align == "top_left", False, False)
     return (dq * sign if sign < 0 else dq), dk, dv
 
 
-def _step_grads_recompute(step: Step, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, opts: dict):
-    """dq, dk, dv of one step: recompute its (out, lse) with autograd and apply the chain rule
-    through the merge (``out_g``, ``lse_g``: the merged result's rows of this step)."""
+def _step_grads_recompute(part: Part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, opts: dict):
+    """dq, dk, dv of one part: recompute its (out, lse) with autograd and apply the chain rule
+    through the merge (``out_g``, ``lse_g``: the merged result's rows of this part; zeros for
+    dummy rows, whose zero ``dout_s`` and ``dlse_s`` make their gradients zero)."""
     with torch.enable_grad():
         q_s, k_s, v_s = (t.detach().requires_grad_() for t in (q_s, k_s, v_s))
-        o, lo = packattn.attention(q_s, k_s, v_s, step.seqs, causal=step.mask.causal, return_lse=True, **opts)
+        o, lo = _attend(q_s, k_s, v_s, part, opts)
         acc = lse_g.dtype
         w = _weights(lo.detach().to(acc), lse_g)  # (hq, rows)
         dout_acc = dout_s.to(acc)
@@ -310,13 +226,13 @@ class _Ring(torch.autograd.Function):
         if layout.message_rows:
             cur = torch.cat([kv_local, kv_local.new_zeros(1, kv_local.shape[1])]).index_select(0, layout.send_index)
             nxt = torch.empty_like(cur)
+        queries = _with_zero_row(q) if layout.dummies else q
         for s, step in enumerate(layout.steps):
             works = _post(plan, cur, nxt, KV_TAG) if s + 1 < len(layout.steps) else []
-            if step.seqs is not None:
-                k_s, v_s = _kv_of_step(step, kv_local, cur, hk, d, dv)
-                out_s, lse_s = packattn.attention(q.index_select(0, step.q_index), k_s, v_s, step.seqs,
-                                                  causal=step.mask.causal, return_lse=True, **opts)
-                _merge(acc, lse, step.q_index, out_s, lse_s)
+            for part in step.parts:
+                k_s, v_s = _kv_of_part(step.src, part, kv_local, cur, hk, d, dv)
+                out_s, lse_s = _attend(part.q.gather(queries), k_s, v_s, part, opts)
+                _merge(acc, lse, part.q, out_s, lse_s)
             _wait(works)
             if works:
                 cur, nxt = nxt, cur
@@ -346,32 +262,28 @@ class _Ring(torch.autograd.Function):
         acc_in = acc_out = None
         acc_works: list = []
         last = len(layout.steps) - 1
+        per_row = [(q, 0), (dout, 0), (dlse, 1), (out, 0), (lse, 1)]  # what parts read per query row; row dim
+        if layout.dummies:
+            per_row = [(_with_zero_row(t, dim), dim) for t, dim in per_row]
         for s, step in enumerate(layout.steps):
             works = _post(plan, cur, nxt, KV_TAG) if s < last else []
-            grads = None
-            if step.seqs is not None:
-                k_s, v_s = _kv_of_step(step, kv_local, cur, hk, d, dv)
-                idx = step.q_index
-                args = (step, q.index_select(0, idx), k_s, v_s, dout.index_select(0, idx),
-                        None if dlse is None else dlse.index_select(1, idx), out.index_select(0, idx),
-                        lse.index_select(1, idx))
-                if _use_triton(step, q, k, v, opts["backend"], opts["deterministic"]):
+            if s == 1:  # the first receiver of a message starts its accumulator
+                acc_in = torch.zeros(layout.message_rows, dkv.shape[1], dtype=acc_dtype, device=q.device)
+                acc_out = torch.empty_like(acc_in)
+            elif s > 1:  # the accumulator sent by the previous rank at its previous step
+                _wait(acc_works)
+                acc_in, acc_out = acc_out, acc_in
+            for part in step.parts:
+                k_s, v_s = _kv_of_part(step.src, part, kv_local, cur, hk, d, dv)
+                q_s, dout_s, dlse_s, out_s, lse_s = (part.q.gather(t, dim) for t, dim in per_row)
+                args = (part, q_s, k_s, v_s, dout_s, dlse_s, out_s, lse_s)
+                if _use_triton(part, q, k, v, opts["backend"], opts["deterministic"]):
                     grads = _step_grads_triton(*args, scale)
                 else:
                     grads = _step_grads_recompute(*args, opts)
-                dq.index_add_(0, idx, grads[0].to(acc_dtype))
-            if s == 0:
-                if grads is not None:
-                    dkv.index_add_(0, step.kv_index, _flat_kv_grads(grads, acc_dtype))
-            else:
-                if s == 1:  # the first receiver of a message starts its accumulator
-                    acc_in = torch.zeros(layout.message_rows, dkv.shape[1], dtype=acc_dtype, device=q.device)
-                    acc_out = torch.empty_like(acc_in)
-                else:  # the accumulator sent by the previous rank at its previous step
-                    _wait(acc_works)
-                    acc_in, acc_out = acc_out, acc_in
-                if grads is not None:
-                    _scatter_add(acc_in, step, _flat_kv_grads(grads, acc_dtype))
+                part.q.add_to(dq, grads[0].to(acc_dtype))
+                part.kv.add_to(dkv if s == 0 else acc_in, _flat_kv_grads(grads, acc_dtype))
+            if s > 0:
                 acc_works = _post(plan, acc_in, acc_out, DKV_TAG)
             _wait(works)
             if works:
@@ -382,15 +294,6 @@ class _Ring(torch.autograd.Function):
         dk = dkv[:, : hk * d].reshape(n, hk, d).to(k.dtype)
         dv_ = dkv[:, hk * d:].reshape(n, hk, dv).to(v.dtype)
         return dq.to(q.dtype), dk, dv_, None, None, None
-
-
-def _scatter_add(acc: torch.Tensor, step: Step, flat: torch.Tensor) -> None:
-    """``acc[kv_index] += flat`` in a fixed order: one pass per repeat of a key row."""
-    if not step.kv_passes:  # no row repeats
-        acc.index_add_(0, step.kv_index, flat)
-        return
-    for positions in step.kv_passes:
-        acc.index_add_(0, step.kv_index.index_select(0, positions), flat.index_select(0, positions))
 
 
 def _flat_kv_grads(grads, dtype) -> torch.Tensor:
@@ -414,19 +317,15 @@ def attention(
 ):
     """The P2P ring executor of `packattn.cp.attention` (arguments checked there).
 
-    Causal (either alignment: the same in global self-attention) or no mask. Deterministic for a
-    fixed world size in any case (fixed reduction order); ``deterministic=True`` is passed on to
-    every step's backend.
+    Every mask: causal (either alignment: the same in global self-attention), windows, chunks, or
+    none. Deterministic for a fixed world size in any case (fixed reduction order);
+    ``deterministic=True`` is passed on to every part's backend.
     """
-    mask = Mask.make(causal, window, chunk_size)
-    if mask.window is not None or mask.chunk_size is not None:
-        raise NotImplementedError(f"the P2P ring (strategy 'p2p') runs causal or full masks only, got "
-                                  f"{mask.describe()}; use strategy='allgather' for windows and chunks")
-    layout = plan.cached(("p2p", mask.causal, str(q.device)), lambda: build_layout(plan, mask.causal, q.device))
-    opts = dict(scale=scale, backend=backend, deterministic=deterministic)
+    mask = dataclasses.replace(Mask.make(causal, window, chunk_size), align="bottom_right")  # self-attention
+    layout = plan.cached(("p2p", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
+    opts = {"scale": scale, "backend": backend, "deterministic": deterministic}
     if layout.local_only:  # nothing travels and nothing to merge (e.g. whole documents): one local call
-        res = packattn.attention(q, k, v, layout.steps[0].seqs, causal=layout.steps[0].mask.causal,
-                                 return_lse=return_lse, **opts)
+        res = _attend(q, k, v, layout.steps[0].parts[0], opts, return_lse)
         return (res[0], res[1].float()) if return_lse else res  # lse float32 on every rank, as the ring's
     out, lse = _Ring.apply(q, k, v, plan, layout, opts)
     return (out, lse) if return_lse else out
