@@ -44,6 +44,15 @@ def finish(rank: int, out_dir: str, results: dict) -> None:
         dist.destroy_process_group()
 
 
+def run_case(fn, *args, **kwargs) -> dict:
+    """``fn(*args, **kwargs)`` (a case's result dict), or ``{"exception": ...}`` when it raises: a worker
+    reports the failure and keeps its process group in step for the next case."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        return {"exception": f"{type(exc).__name__}: {exc}"}
+
+
 def grads(fn, inputs, grad_out, grad_lse=None):
     """``fn(*leaves) -> (out, lse)``; returns out, lse and the leaves' gradients of ``sum(out *
     grad_out)`` (plus ``sum(lse * grad_lse)`` over the finite lse when ``grad_lse`` is given)."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import spawn
+from cp_harness import run_case, spawn
 from packattn import cp
 from packattn.varlen import Varlen
 
@@ -146,10 +146,7 @@ def _worker(rank, world, init_file, out_dir, case_names):
     results = {}
     try:
         for name in case_names:
-            try:
-                results[name] = _run_case(CASES[name], {})
-            except Exception as exc:  # report, keep the group in step for the next case
-                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name] = run_case(_run_case, CASES[name], {})
         results["__unshard_backward__"] = _check_unshard_backward(world)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -167,10 +167,7 @@ def _worker(rank, world, init_file, out_dir, case_names):
         meshes = _meshes(world)
         results["__errors__"] = _error_checks(world, meshes)
         for name in case_names:
-            try:
-                results[name] = _run_case(CASES[world][name], meshes)
-            except Exception as exc:  # report, keep the group in step for the next case
-                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name] = cp_harness.run_case(_run_case, CASES[world][name], meshes)
     finally:
         cp_harness.finish(rank, out_dir, results)
 

@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from cp_harness import check, errors_vs_single, finish, grads, init_gloo, spawn
+from cp_harness import check, errors_vs_single, finish, grads, init_gloo, run_case, spawn
 from packattn import cp
 from packattn.cp import allgather, comm
 from packattn.mask import Mask
@@ -149,15 +149,9 @@ def _worker(rank, world, init_file, out_dir, case_names, count_names):
     results = {}
     try:
         for name in case_names:
-            try:
-                results[name] = _run_case(CASES[name])
-            except Exception as exc:  # report, keep the group in step for the next case
-                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name] = run_case(_run_case, CASES[name])
         for name in count_names:
-            try:
-                results[name] = _count_case(*COUNT_CASES[name])
-            except Exception as exc:
-                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name] = run_case(_count_case, *COUNT_CASES[name])
     finally:
         finish(rank, out_dir, results)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import check, errors_vs_single, finish, init_gloo, max_err, spawn
+from cp_harness import check, errors_vs_single, finish, init_gloo, max_err, run_case, spawn
 from packattn import cp
 from packattn import mask as masks
 from packattn.backends.base import Backend
@@ -208,27 +208,18 @@ def _worker(rank, world, init_file, out_dir, case_names):
     try:
         for name in case_names:
             before = len(triton_steps)
-            try:
-                results[name] = _run_case(CASES[name])
-            except Exception as exc:  # report, keep the group in step for the next case
-                results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[name] = run_case(_run_case, CASES[name])
             results[name]["triton_backward_steps"] = len(triton_steps) - before
         if world == 4:
             import torch.distributed as dist
 
             groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
             for name, case in SUBGROUP_CASES.items():
-                try:
-                    results[name] = _run_case(case, groups[rank % 2])
-                except Exception as exc:
-                    results[name] = {"exception": f"{type(exc).__name__}: {exc}"}
+                results[name] = run_case(_run_case, case, groups[rank % 2])
         for i, args in enumerate(LSE_LOSS_CASES):
             if args[3] == "triton" and not ring_triton_available():
                 continue
-            try:
-                results[f"lse_loss{i}"] = _lse_loss_errors(*args)
-            except Exception as exc:
-                results[f"lse_loss{i}"] = {"exception": f"{type(exc).__name__}: {exc}"}
+            results[f"lse_loss{i}"] = run_case(_lse_loss_errors, *args)
     finally:
         finish(rank, out_dir, results)
 

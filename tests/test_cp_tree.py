@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import finish, grads, init_gloo, max_err, spawn
+from cp_harness import finish, grads, init_gloo, max_err, run_case, spawn
 from packattn import cp
 from packattn.cp import tree as cp_tree
 from packattn.tree import Tree
@@ -326,10 +326,7 @@ def _worker(rank, world, init_file, out_dir, case_names):
             if mine == "idle":
                 continue
             for i, name in enumerate(case_names):
-                try:
-                    results[f"{size}/{name}"] = _run_case(*CASES[name], seed=100 + i, group=mine)
-                except Exception as exc:  # report, keep the group in step for the next case
-                    results[f"{size}/{name}"] = {"exception": f"{type(exc).__name__}: {exc}"}
+                results[f"{size}/{name}"] = run_case(_run_case, *CASES[name], seed=100 + i, group=mine)
     finally:
         finish(rank, out_dir, results)
 
