@@ -62,7 +62,6 @@ def compile_variant(dtype_name: str, head_dim: int, mask: str, cfg=None):
     """``triton.compile`` of one variant (the launcher's configuration unless ``cfg``); the int and pointer
     arguments get ``tt.divisibility = 16`` where a real launch (16-aligned tensors, strides that
     are multiples of 16) would give it."""
-    dtype = DTYPES[dtype_name]
     cfg = cfg or tg.config_for(head_dim)
     block_n, stages = cfg.block_n, cfg.stages
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=block_n, STAGES=stages,
@@ -78,29 +77,39 @@ def compile_variant(dtype_name: str, head_dim: int, mask: str, cfg=None):
         fn = varlen_fwd_gluon_kernel
         constexprs.update(num_warps=cfg.num_warps)
         options.update(num_warps=cfg.num_warps)
+    aligned = set(POINTERS) | {"stride_o_row", "stride_lse_head"}  # (rows, heads, d) contiguous: d | stride
+    compiled = compile_forward_kernel(fn, dtype_name, head_dim, cfg.block_m, block_n, constexprs, options,
+                                      POINTERS, aligned)
+    return cfg, compiled
+
+
+def compile_forward_kernel(fn, dtype_name: str, head_dim: int, block_m: int, block_n: int, constexprs: dict,
+                           options: dict, int_pointers, aligned):
+    """``triton.compile`` of a Gluon forward kernel for sm_90a: q / k / v descriptors of ``[block_m |
+    block_n, head_dim]`` blocks, ``Out`` in the dtype, ``Lse`` float32, ``int_pointers`` int32 tensors,
+    ``qk_scale_log2`` float32, other arguments int32; ``aligned`` get ``tt.divisibility = 16``."""
+    dtype = DTYPES[dtype_name]
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name == "q_desc":
-            signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
+            signature[name] = _descriptor_type(dtype, [block_m, head_dim])
         elif name in ("k_desc", "v_desc"):
             signature[name] = _descriptor_type(dtype, [block_n, head_dim])
         elif name == "Out":
             signature[name] = "*" + dtype_name
         elif name == "Lse":
             signature[name] = "*fp32"
-        elif name in POINTERS:
+        elif name in int_pointers:
             signature[name] = "*i32"
         elif name == "qk_scale_log2":
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    aligned = set(POINTERS) | {"stride_o_row", "stride_lse_head"}  # (rows, heads, d) contiguous: d | stride
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
     src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return cfg, compiled
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> tuple[str, list[str]]:

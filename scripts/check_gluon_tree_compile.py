@@ -20,17 +20,13 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from packattn.backends import triton_fwd_gluon as tg  # noqa: E402
 from packattn.backends import triton_tree_gluon as tt  # noqa: E402
 from packattn.kernels.tree_fwd_gluon import tree_fwd_gluon_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gluon_compile import DTYPES, _descriptor_type, compiled_report, failure_report  # noqa: E402
+from check_gluon_compile import DTYPES, compile_forward_kernel, compiled_report, failure_report  # noqa: E402
 
 INT_POINTERS = ("key_end", "tiles", "intervals")
 # a real launch gives these tt.divisibility = 16 (16-byte aligned tensors; (total, heads, d) contiguous)
@@ -39,34 +35,13 @@ ALIGNED = set(INT_POINTERS) | {"Out", "Lse", "stride_o_row", "stride_o_head"}
 
 def compile_tree(dtype_name: str, head_dim: int, cfg):
     """``triton.compile`` of the tree kernel as `triton_tree_gluon.gluon_tree_fwd` launches it."""
-    dtype = DTYPES[dtype_name]
     fn = tree_fwd_gluon_kernel
     res = tt.tree_ws_resources(cfg, head_dim)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"],
                       PRODUCER_REGS=res["producer_regs"], num_warps=4)
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name == "q_desc":
-            signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
-        elif name in ("k_desc", "v_desc"):
-            signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
-        elif name == "Out":
-            signature[name] = "*" + dtype_name
-        elif name == "Lse":
-            signature[name] = "*fp32"
-        elif name in INT_POINTERS:
-            signature[name] = "*i32"
-        elif name == "qk_scale_log2":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
-    src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]})
+    return compile_forward_kernel(fn, dtype_name, head_dim, cfg.block_m, cfg.block_n, constexprs,
+                                  {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}, INT_POINTERS, ALIGNED)
 
 
 def check_tree(dtype_name: str, head_dim: int, config_text: str | None, dump: str | None) -> tuple[bool, str]:
