@@ -75,7 +75,7 @@ from packattn.cp.comm import (
     start_gather_rows,
     start_reduce_scatter_rows,
 )
-from packattn.cp.plan import CPPlan
+from packattn.cp.plan import CPPlan, gathered_layout
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
@@ -133,14 +133,7 @@ def _shared_rows(plan: CPPlan) -> tuple[torch.Tensor, int]:
     lo = lo.scatter_reduce(0, doc, owner[is_doc], "amin")
     hi = hi.scatter_reduce(0, doc, owner[is_doc], "amax")
     shared = is_doc & (hi > lo)[seq.clamp_min(0)] if num_docs else is_doc
-    counts = torch.bincount(owner[shared], minlength=plan.world)
-    max_shared = int(counts.max()) if shared.any() else 0
-    order = torch.sort(owner * shared.numel() + torch.arange(shared.numel()))  # by owner, then row
-    rank_in_owner = torch.empty_like(owner)
-    rank_in_owner[order.indices] = torch.cumsum(shared[order.indices].long(), 0) - 1
-    offsets = torch.cumsum(counts, 0) - counts
-    rank_in_owner = rank_in_owner - offsets[owner]
-    gathered = torch.where(shared, owner * max_shared + rank_in_owner, torch.full_like(owner, -1))
+    gathered, max_shared, _ = gathered_layout(owner, shared, plan.world, plan.rank)
     return gathered, max_shared
 
 
@@ -203,9 +196,10 @@ def _split_kv(kv: torch.Tensor, heads_kv: int, d: int) -> tuple[torch.Tensor, to
     return kv[:, : heads_kv * d].reshape(rows, heads_kv, d), kv[:, heads_kv * d:].reshape(rows, heads_kv, d_v)
 
 
-def _key_rows(kv_local: torch.Tensor, shared: torch.Tensor | None, layout: LocalLayout) -> torch.Tensor:
-    """The flat K/V of every key of the local sequences (``layout.kv_index``): rows of ``kv_local``,
-    then the gathered rows of shared documents (``shared``; None when nothing was gathered)."""
+def _key_rows(kv_local: torch.Tensor, shared: torch.Tensor | None, layout) -> torch.Tensor:
+    """The flat K/V of every key of the local problem (``layout.kv_index``, of a `LocalLayout` or a
+    `packattn.cp.tree.TreeLayout`): rows of ``kv_local``, then the gathered rows (``shared``; None
+    when nothing was gathered)."""
     kv = kv_local if shared is None else torch.cat([kv_local, shared])
     return kv.index_select(0, layout.kv_index)
 

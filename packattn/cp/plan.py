@@ -222,6 +222,18 @@ def rows_layout(owner: torch.Tensor, world: int, rank: int) -> tuple[torch.Tenso
     return owner * max_local + local_pos, max_local, order[offsets[rank]: offsets[rank] + counts[rank]]
 
 
+def gathered_layout(owner: torch.Tensor, shared: torch.Tensor, world: int, rank: int):
+    """The all-gather of a subset of the rows (``shared``: bool per global row), each owner
+    contributing its shared rows in row order (`rows_layout` of those rows): every global row's
+    position in the gathered layout (-1 for rows not shared), the rows per rank, and this rank's
+    shared global rows (ascending)."""
+    shared_rows = shared.nonzero().flatten()
+    positions, per_rank, mine = rows_layout(owner[shared_rows], world, rank)
+    gathered_pos = torch.full((owner.numel(),), -1, dtype=torch.int64)
+    gathered_pos[shared_rows] = positions
+    return gathered_pos, per_rank, shared_rows[mine]
+
+
 def document_ranks(lengths: torch.Tensor, world: int, work: torch.Tensor | None = None,
                    cut_long: bool = True) -> torch.Tensor:
     """``balance="documents"``: the rank holding each whole document, or -1 for a document cut

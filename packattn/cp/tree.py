@@ -42,8 +42,9 @@ import dataclasses
 
 import torch
 
+from packattn.cp.allgather import _flat_kv, _key_rows, _split_kv
 from packattn.cp.comm import gather_rows
-from packattn.cp.plan import CPPlan, document_ranks, rows_layout, zigzag_rank
+from packattn.cp.plan import CPPlan, document_ranks, gathered_layout, rows_layout, zigzag_rank
 from packattn.tree.descriptor import _last_descendant
 
 CUTTING_STRATEGIES = ("allgather",)  # the strategies whose plans cut a large root across ranks
@@ -139,7 +140,7 @@ def build_layout(plan: CPPlan, device) -> TreeLayout:
     needed = _needed_ancestors(parent, node_owner, plan.world)
     row_node = torch.repeat_interleave(torch.arange(parent.numel()), cu.diff(), output_size=plan.total)
     local_pos = plan.flat_pos - plan.owner * plan.max_local  # every row's index on its owner
-    gathered_pos, max_send, send_rows = _gathered_layout(plan, needed.any(0)[row_node])
+    gathered_pos, max_send, send_rows = gathered_layout(plan.owner, needed.any(0)[row_node], plan.world, plan.rank)
 
     keep = (node_owner == plan.rank) | needed[plan.rank]
     rows = keep[row_node].nonzero().flatten()  # the local tree's rows, in global (pre-order) order
@@ -150,17 +151,6 @@ def build_layout(plan: CPPlan, device) -> TreeLayout:
     local = _sub_forest(cu, parent, keep.nonzero().flatten(), device) if rows.numel() else None
     return TreeLayout(local, q_index.to(device), kv_index.to(device), local_pos[send_rows].to(device),
                       max_send, own.nonzero().flatten().to(device), bool(own.all()))
-
-
-def _gathered_layout(plan: CPPlan, shared: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """The all-gather of the ``shared`` rows (bool per global row: some rank other than the owner
-    needs it), each owner contributing its shared rows in order: every row's position in the
-    gathered layout (-1 if not shared), the rows per rank (``max_send``), this rank's shared rows."""
-    shared_rows = shared.nonzero().flatten()
-    positions, max_send, mine = rows_layout(plan.owner[shared_rows], plan.world, plan.rank)
-    gathered_pos = torch.full((plan.total,), -1, dtype=torch.int64)
-    gathered_pos[shared_rows] = positions
-    return gathered_pos, max_send, shared_rows[mine]
 
 
 def attention(q, k, v, plan: CPPlan, *, causal=False, window=None, chunk_size=None, return_lse=False, **options):
@@ -193,13 +183,11 @@ def _local_kv(k: torch.Tensor, v: torch.Tensor, plan: CPPlan, layout: TreeLayout
     the result depends on the gathered tensor, so its reduce-scatter backward runs on every rank too."""
     if layout.max_send == 0 and layout.identity:
         return k, v
-    n, hk, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
-    kv = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)
+    kv = _flat_kv(k, v)
+    gathered = None
     if layout.max_send:
         gathered = gather_rows(kv.index_select(0, layout.send_index), layout.max_send, plan.world, plan.group)
-        kv = torch.cat([kv, gathered])
-    kv = kv.index_select(0, layout.kv_index)
-    return kv[:, : hk * d].reshape(-1, hk, d), kv[:, hk * d:].reshape(-1, hk, dv)
+    return _split_kv(_key_rows(kv, gathered, layout), k.shape[1], k.shape[2])
 
 
 def _sub_forest(cu: torch.Tensor, parent: torch.Tensor, nodes: torch.Tensor, device, sequence_nodes=None, tokens=None):
