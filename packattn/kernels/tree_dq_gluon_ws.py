@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
-from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_blocks, _program_id
+from packattn.kernels.tree_fwd_gluon import _ends_copy
+from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_blocks, _dq_ws_buffers, _program_id
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
 
 MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
@@ -77,15 +78,6 @@ def _interval(intervals, index):
 
 # ---------------------------------------------------------------- producer
 @gluon.jit
-def _key_end_copy(KeyEnd, n_start, total, buf, BLOCK_N: gl.constexpr):
-    """cp.async ``key_end`` of keys ``n_start ... n_start + BLOCK_N - 1`` into ``buf``; keys past
-    ``total`` are not read and land as 0 (visible to no query)."""
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # the producer's one warp
-    offs = gl.arange(0, BLOCK_N, layout=layout)
-    async_copy.async_copy_global_to_shared(buf, KeyEnd + n_start + offs, mask=offs < total - n_start)
-
-
-@gluon.jit
 def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q, group_size,
                       q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -105,7 +97,7 @@ def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals,
                 slot = j % STAGES
                 mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 if kind == MASKED:
-                    _key_end_copy(KeyEnd, n_start, total, key_ends.index(slot), BLOCK_N)
+                    _ends_copy(KeyEnd, n_start, total, key_ends.index(slot), BLOCK_N)
                     async_copy.mbarrier_arrive(ready.index(slot))
                 # K / V rows n_start ...: `_load_kv_block` loads block j of the range at n_start - j * BLOCK_N
                 _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, n_start - j * BLOCK_N, 0,
@@ -177,26 +169,10 @@ def tree_dq_gluon_ws_kernel(
     `triton_tree_gluon_dq.tree_dq_ws_resources` says. Descriptors over the ``(rows, heads * HEAD_DIM)``
     views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks
     ``[BLOCK_N, HEAD_DIM]``. ``Lse`` / ``Delta``: float32 ``(heads_q, total)`` with row stride 1."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warp groups of 64 queries each")
-    gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "key block: 64 or 128 rows")
-    gl.static_assert(STAGES >= 2, "ring of at least two (K, V) slots")
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
     # per ring slot: key_end of the slot's keys (masked blocks only)
     key_ends = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(zero_bar, count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
 
     gl.warp_specialize([
         (_tree_dq_consumer, (dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,

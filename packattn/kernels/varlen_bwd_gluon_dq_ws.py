@@ -283,19 +283,11 @@ def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, r
 
 # ---------------------------------------------------------------- kernel
 @gluon.jit
-def varlen_bwd_dq_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
-    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-    stride_dq_row, stride_dq_head, stride_lse_head,
-    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-):
-    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus the
-    register split; launch with ``num_warps = 4`` and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources`
-    says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc``
-    blocks ``[BLOCK_N, HEAD_DIM]``."""
+def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Shared memory and barriers of a warp-specialised dQ kernel (this module's and the tree's,
+    `tree_dq_gluon_ws`), initialised: ``(q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready,
+    empty)``; ``empty`` counts both consumers, ``zero_bar`` their tail rendezvous."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warp groups of 64 queries each")
     gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "key block: 64 or 128 rows")
@@ -314,7 +306,25 @@ def varlen_bwd_dq_gluon_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    return q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty
 
+
+@gluon.jit
+def varlen_bwd_dq_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+    stride_dq_row, stride_dq_head, stride_lse_head,
+    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus the
+    register split; launch with ``num_warps = 4`` and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources`
+    says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc``
+    blocks ``[BLOCK_N, HEAD_DIM]``."""
+    q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
     gl.warp_specialize([
         (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
