@@ -84,7 +84,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
-from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
+from packattn.kernels.varlen_fwd_gluon import _tile_row, _to_operand, _zero_v_tail, mma_layout
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -104,17 +104,8 @@ def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
         pid = gl.program_id(0)
     tile = pid // num_heads_kv
     kv_head = pid % num_heads_kv
-    seq = gl.load(tiles + tile * 6)
-    seq_ok = gl.maximum(seq, 0)
-    k_start = gl.load(tiles + tile * 6 + 1)
-    m_lo = gl.load(tiles + tile * 6 + 2)
-    m_mid_lo = gl.load(tiles + tile * 6 + 3)
-    m_mid_hi = gl.load(tiles + tile * 6 + 4)
-    m_hi = gl.load(tiles + tile * 6 + 5)
-    len_q = gl.load(cu_seqlens_q + seq_ok + 1) - gl.load(cu_seqlens_q + seq_ok)
-    len_kv = gl.load(cu_seqlens_kv + seq_ok + 1) - gl.load(cu_seqlens_kv + seq_ok)
-    row0_q = gl.load(row_offsets_q + seq_ok)
-    row0_kv = gl.load(row_offsets_kv + seq_ok)
+    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
     total = gl.where(seq >= 0, group_size * num_m_blocks, 0)
     return (seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q,

@@ -86,6 +86,26 @@ def row_store_layout(num_warps, head_dim):
 
 # ---------------------------------------------------------------- mask (twin of varlen_common)
 @gluon.jit
+def _tile_row(tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv):
+    """Tile-table row ``tile`` (``[seq, start, lo, mid_lo, mid_hi, hi]``) and its sequence's lengths
+    and first rows: ``(seq, start, lo, mid_lo, mid_hi, hi, len_q, len_kv, row0_q, row0_kv)``. A
+    surplus row (``seq < 0``) reads sequence 0's values (in bounds, meaningless). The Gluon twin of
+    `varlen_common.tile_header`."""
+    seq = gl.load(tiles + tile * 6)
+    seq_ok = gl.maximum(seq, 0)
+    start = gl.load(tiles + tile * 6 + 1)
+    lo = gl.load(tiles + tile * 6 + 2)
+    mid_lo = gl.load(tiles + tile * 6 + 3)
+    mid_hi = gl.load(tiles + tile * 6 + 4)
+    hi = gl.load(tiles + tile * 6 + 5)
+    len_q = gl.load(cu_seqlens_q + seq_ok + 1) - gl.load(cu_seqlens_q + seq_ok)
+    len_kv = gl.load(cu_seqlens_kv + seq_ok + 1) - gl.load(cu_seqlens_kv + seq_ok)
+    row0_q = gl.load(row_offsets_q + seq_ok)
+    row0_kv = gl.load(row_offsets_kv + seq_ok)
+    return seq, start, lo, mid_lo, mid_hi, hi, len_q, len_kv, row0_q, row0_kv
+
+
+@gluon.jit
 def _key_range(aligned, len_kv, window_left, window_right, chunk_size,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr):
     """Visible keys ``[lo, hi)`` of queries aligned at ``aligned``; formulas of

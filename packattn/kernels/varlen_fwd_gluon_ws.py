@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_pv, _issue_qk, _load_kv_block, _softmax_any, _store_out,
-                                               _to_operand, mma_layout)
+                                               _tile_row, _to_operand, mma_layout)
 
 
 @gluon.jit
@@ -42,17 +42,8 @@ def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
     longest tiles of every head come first). ``seq < 0`` marks an unused tile-table row."""
     tile = w // num_heads_q
     head = w % num_heads_q
-    seq = gl.load(tiles + tile * 6)
-    seq_ok = gl.maximum(seq, 0)
-    q_start = gl.load(tiles + tile * 6 + 1)
-    n_lo = gl.load(tiles + tile * 6 + 2)
-    n_mid_lo = gl.load(tiles + tile * 6 + 3)
-    n_mid_hi = gl.load(tiles + tile * 6 + 4)
-    n_hi = gl.load(tiles + tile * 6 + 5)
-    len_q = gl.load(cu_seqlens_q + seq_ok + 1) - gl.load(cu_seqlens_q + seq_ok)
-    len_kv = gl.load(cu_seqlens_kv + seq_ok + 1) - gl.load(cu_seqlens_kv + seq_ok)
-    row0_q = gl.load(row_offsets_q + seq_ok)
-    row0_kv = gl.load(row_offsets_kv + seq_ok)
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     col_kv = (head // group_size) * HEAD_DIM
     num_blocks = gl.where(seq >= 0, (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N, 0)
     return seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv
