@@ -5,7 +5,7 @@ does for the Triton forward -- allocate ``out`` / ``lse`` (zeros / -inf where ro
 sequence), launch one program per (query tile, query head) -- with TMA descriptors instead of
 raw pointers for q, k and v. The query tile table must be built with this kernel's block sizes::
 
-    cfg = gluon_config(head_dim)                       # BLOCK_M 128, BLOCK_N 128 (d = 64 / 128)
+    cfg = config_for(head_dim)                         # BLOCK_M 128, BLOCK_N 128 (d = 64 / 128)
     q_tiles = tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)
 
 `gluon_fwd_supported` says whether the kernel can run these tensors (CUDA, compute capability
@@ -136,9 +136,6 @@ def config_for(head_dim: int, long_seqs: bool = False) -> GluonConfig:
     if override:
         return parse_config(override)
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
-
-
-gluon_config = config_for
 
 
 def smem_layout(block: list[int], dtype: torch.dtype):
