@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_pv, _issue_qk, _load_kv_block, _softmax_any, _store_out,
-                                               _tile_row, _to_operand, mma_layout)
+from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _load_kv_block, _softmax_any, _store_out, _tile_row,
+                                               _to_operand, _zero_v_tail, mma_layout)
 
 
 @gluon.jit
@@ -87,14 +87,30 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
 
 
 @gluon.jit
-def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, base, m_i, l_i, acc, offs_m, offs_n, n_lo, n_mid_lo,
-               n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-               TOP_LEFT: gl.constexpr, EARLY_Q_RELEASE: gl.constexpr):
+def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, zero_bar, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero the rows of the last block's V slot past the sequence end (keys ``n_start ...``), each
+    consumer warp group its own ``BLOCK_N / NUM_CONSUMERS`` rows (two groups storing the same rows
+    is a write-write race, if a harmless one), then meet the other group on ``zero_bar`` (phase
+    ``ntail & 1``: tiles with a tail so far) so neither starts PV before the whole tail is zero."""
+    PART: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    _zero_v_tail(v_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, HEAD_DIM, 4)
+    if NUM_CONSUMERS > 1:
+        mbarrier.arrive(zero_bar, count=1)
+        mbarrier.wait(zero_bar, ntail & 1)
+
+
+@gluon.jit
+def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, base, ntail, m_i, l_i, acc, offs_m, offs_n,
+               n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left, window_right,
+               chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+               EARLY_Q_RELEASE: gl.constexpr):
     """`_attend` for one consumer warp group (64 rows), blocks ``base ...`` of the ring: same
     pipeline, but block j's slot is handed back to the producer through ``empty`` once PV[j] is
-    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done."""
+    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done.
+    Returns ``(acc, m, l, ntail)``, ``ntail`` counting the tiles whose last block had a V tail."""
     dtype: gl.constexpr = q_wg.dtype
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma_wait(0, deps=(_issue_qk(q_wg, k_bufs, ready, base, s_zero, STAGES), ))
@@ -117,11 +133,14 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, base, m_i, l_i, acc,
     if EARLY_Q_RELEASE:
         mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
-    acc_tok = _issue_pv(acc, p_op, alpha, v_bufs, base + last, n_lo + last * BLOCK_N, len_kv, o_layout, STAGES,
-                        BLOCK_N, HEAD_DIM, 4)
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    v_buf = v_bufs.index((base + last) % STAGES)
+    if n_lo + num_blocks * BLOCK_N > len_kv:  # only the last block can cross the sequence end
+        _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, zero_bar, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM)
+        ntail += 1
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_buf, acc, is_async=True), ))
     mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, ntail
 
 
 @gluon.jit
@@ -175,8 +194,9 @@ def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar,
+                 WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                  DIRECT_STORE: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
@@ -186,6 +206,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     q_wg = q_smem.slice(WG * 64, 64, dim=0)
     block = 0
     loads_q = 0
+    ntail = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
@@ -195,11 +216,12 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
             mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
             if num_blocks > 0:
-                acc, m_i, l_i = _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, block, m_i, l_i, acc, offs_m,
-                                           offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv,
-                                           qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout,
-                                           BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                           DIRECT_STORE)
+                acc, m_i, l_i, ntail = _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, block, ntail,
+                                                  m_i, l_i, acc, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks,
+                                                  len_q, len_kv, qk_scale_log2, window_left, window_right,
+                                                  chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N,
+                                                  HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                                                  DIRECT_STORE)
             elif DIRECT_STORE:
                 mbarrier.arrive(q_empty, count=1)
             _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
@@ -212,14 +234,14 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                         window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                        zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                         DIRECT_STORE: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N,
-                 STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 1, 2, HEAD_DIM,
+                 BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)
 
 
 @gluon.jit
@@ -266,17 +288,20 @@ def varlen_fwd_gluon_ws_kernel(
 
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
+    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the consumers' V-tail meeting
+    mbarrier.init(zero_bar, count=NUM_CONSUMERS)
 
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+                            zero_bar, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                            TOP_LEFT, DIRECT_STORE)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
                                    qk_scale_log2, window_left, window_right, chunk_size, num_work, q_smem, k_bufs,
-                                   v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                   v_bufs, q_bar, q_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
@@ -287,7 +312,8 @@ def varlen_fwd_gluon_ws_kernel(
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+                            zero_bar, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                            TOP_LEFT, DIRECT_STORE)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
