@@ -13,7 +13,7 @@ raw pointers for q, k and v. The query tile table must be built with this kernel
 
 Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLUON_FWD_CONFIG``)::
 
-    PACKATTN_GLUON_FWD_CONFIG="block_m,block_n,stages,num_warps[,ws][,persistent][,direct]"
+    PACKATTN_GLUON_FWD_CONFIG="block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]"
 
 * ``128,128,3,8`` -- `varlen_fwd_gluon_kernel` (the default at d = 128): 2 warp groups, CTA
   barrier before each ring refill;
@@ -25,7 +25,9 @@ Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLU
   the tile's last S wgmma is done (instead of after the epilogue, which stages through it);
 * ``...,ws,persistent`` -- ``ctas_per_sm x SMs`` programs loop over the work items (tiles x
   heads, longest first, round robin): the producer loads tile t+1's K/V (and, with ``direct``,
-  its Q) while the consumers finish tile t.
+  its Q) while the consumers finish tile t;
+* ``...,ws,pingpong`` -- the two consumer warp groups take turns issuing their wgmma (FA3's
+  warp-group ping-pong): one group's softmax runs while the other's products occupy the tensor cores.
 `ab_variants` lists the ones `benchmarks/ab_gluon_fwd.py` times and
 `scripts/check_gluon_compile.py --all` compiles.
 """
@@ -57,23 +59,28 @@ class GluonConfig:
     # (warp_specialize only) store out from the accumulator registers instead of staging it in Q's
     # shared buffer, so the next tile's Q load overlaps this tile's last PV and epilogue
     direct_store: bool = False
+    # (warp_specialize, block_m 128 only) FA3-style ping-pong: the two consumer warp groups take turns
+    # issuing their wgmma, so one group's softmax runs under the other's products
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
             raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
         if self.stages < 2:
             raise ValueError(f"{self}: stages must be >= 2")
-        if (self.persistent or self.direct_store) and not self.warp_specialize:
-            raise ValueError(f"{self}: persistent / direct_store need warp_specialize")
+        if (self.persistent or self.direct_store or self.pingpong) and not self.warp_specialize:
+            raise ValueError(f"{self}: persistent / direct_store / pingpong need warp_specialize")
+        if self.pingpong and self.block_m != 128:
+            raise ValueError(f"{self}: pingpong needs two consumer warp groups (block_m 128)")
 
     def label(self) -> str:
         """The `ENV_CONFIG` string of this configuration (`parse_config` reads it back)."""
         flags = [name for name, on in (("ws", self.warp_specialize), ("persistent", self.persistent),
-                                       ("direct", self.direct_store)) if on]
+                                       ("direct", self.direct_store), ("pingpong", self.pingpong)) if on]
         return ",".join([str(self.block_m), str(self.block_n), str(self.stages), str(self.num_warps)] + flags)
 
 
-_FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct_store"}
+_FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct_store", "pingpong": "pingpong"}
 
 
 def parse_config(text: str) -> GluonConfig:
@@ -82,7 +89,7 @@ def parse_config(text: str) -> GluonConfig:
     ``"128,128,3,8,ws,persistent,direct"``; the format of ``$PACKATTN_GLUON_FWD_CONFIG``."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if len(parts) < 4:
-        raise ValueError(f"{ENV_CONFIG}={text!r}: expected block_m,block_n,stages,num_warps[,ws][,persistent][,direct]")
+        raise ValueError(f"{ENV_CONFIG}={text!r}: expected block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]")
     flags = {}
     for flag in parts[4:]:
         if flag not in _FLAGS:
@@ -119,7 +126,7 @@ def ab_variants(head_dim: int) -> list[GluonConfig]:
     return list(dict.fromkeys(out))  # drop repeats, keep the order
 
 
-# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct]" overrides CONFIGS (A/B runs); see parse_config
+# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]" overrides CONFIGS (A/B runs); see parse_config
 ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 
 
@@ -304,6 +311,6 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
         *args, num_work, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        num_warps=4, maxnreg=res["maxnreg"],
+        PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"],
     )
     return out, lse

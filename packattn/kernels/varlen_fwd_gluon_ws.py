@@ -87,30 +87,50 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
 
 
 @gluon.jit
-def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, zero_bar, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Zero the rows of the last block's V slot past the sequence end (keys ``n_start ...``), each
     consumer warp group its own ``BLOCK_N / NUM_CONSUMERS`` rows (two groups storing the same rows
-    is a write-write race, if a harmless one), then meet the other group on ``zero_bar`` (phase
+    is a write-write race, if a harmless one), then meet the other group on ``wg_bars[0]`` (phase
     ``ntail & 1``: tiles with a tail so far) so neither starts PV before the whole tail is zero."""
     PART: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     _zero_v_tail(v_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, HEAD_DIM, 4)
     if NUM_CONSUMERS > 1:
-        mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, ntail & 1)
+        mbarrier.arrive(wg_bars.index(0), count=1)
+        mbarrier.wait(wg_bars.index(0), ntail & 1)
 
 
 @gluon.jit
-def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, base, ntail, m_i, l_i, acc, offs_m, offs_n,
-               n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left, window_right,
-               chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
+def _wait_turn(wg_bars, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (FA3's warp-group scheduling): before issuing the wgmma of its turn ``turn``, consumer
+    ``WG`` waits until the other one has issued its own previous turn -- group 0's turn t after group
+    1's turn t - 1 (turn 0 at once: a fresh barrier's phase "-1" counts as complete), group 1's
+    turn t after group 0's turn t -- so the two groups' products reach the tensor cores alternately
+    and one group's softmax runs under the other's products."""
+    if PINGPONG:
+        mbarrier.wait(wg_bars.index(1 + WG), (turn & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _end_turn(wg_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """The group's wgmma of this turn are issued: the other group's turn may start."""
+    if PINGPONG:
+        mbarrier.arrive(wg_bars.index(2 - WG), count=1)
+
+
+@gluon.jit
+def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail, turn, m_i, l_i, acc,
+               offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
+               window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-               EARLY_Q_RELEASE: gl.constexpr):
+               EARLY_Q_RELEASE: gl.constexpr, PINGPONG: gl.constexpr):
     """`_attend` for one consumer warp group (64 rows), blocks ``base ...`` of the ring: same
     pipeline, but block j's slot is handed back to the producer through ``empty`` once PV[j] is
-    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done.
-    Returns ``(acc, m, l, ntail)``, ``ntail`` counting the tiles whose last block had a V tail."""
+    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done; with
+    ``PINGPONG`` each loop step's two products (S[j+1], PV[j]) are one turn (`_wait_turn`).
+    Returns ``(acc, m, l, ntail, turn)``: ``ntail`` counts the tiles whose last block had a V tail,
+    ``turn`` the turns taken so far."""
     dtype: gl.constexpr = q_wg.dtype
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma_wait(0, deps=(_issue_qk(q_wg, k_bufs, ready, base, s_zero, STAGES), ))
@@ -119,10 +139,13 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, base, ntai
                                       HAS_CHUNK, TOP_LEFT)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
+        _wait_turn(wg_bars, turn, WG, PINGPONG)
         s_tok = _issue_qk(q_wg, k_bufs, ready, base + j + 1, s_zero, STAGES)
         # blocks before the last never cross the sequence end: no V tail to zero here
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
+        _end_turn(wg_bars, WG, PINGPONG)
+        turn += 1
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
         p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi,
                                           len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
@@ -135,12 +158,12 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, base, ntai
     last = num_blocks - 1
     v_buf = v_bufs.index((base + last) % STAGES)
     if n_lo + num_blocks * BLOCK_N > len_kv:  # only the last block can cross the sequence end
-        _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, zero_bar, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM)
+        _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM)
         ntail += 1
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_buf, acc, is_async=True), ))
     mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
-    return acc, m_i, l_i, ntail
+    return acc, m_i, l_i, ntail, turn
 
 
 @gluon.jit
@@ -194,11 +217,11 @@ def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar,
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
                  WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                 DIRECT_STORE: gl.constexpr):
+                 DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -207,6 +230,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     block = 0
     loads_q = 0
     ntail = 0
+    turn = 0  # ping-pong turns taken so far (`_wait_turn`)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
@@ -216,12 +240,11 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
             mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
             if num_blocks > 0:
-                acc, m_i, l_i, ntail = _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, zero_bar, block, ntail,
-                                                  m_i, l_i, acc, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks,
-                                                  len_q, len_kv, qk_scale_log2, window_left, window_right,
-                                                  chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N,
-                                                  HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                                  DIRECT_STORE)
+                acc, m_i, l_i, ntail, turn = _ws_attend(
+                    q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, turn, m_i, l_i, acc, offs_m,
+                    offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
+                    window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES,
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
             elif DIRECT_STORE:
                 mbarrier.arrive(q_empty, count=1)
             _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
@@ -234,14 +257,14 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                         window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                        zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                        DIRECT_STORE: gl.constexpr):
+                        wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                        TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 1, 2, HEAD_DIM,
-                 BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)
+                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM,
+                 BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
 
 
 @gluon.jit
@@ -274,7 +297,7 @@ def varlen_fwd_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_fwd_gluon_kernel` (see the comment above `_work_item`): launch with
     ``num_warps = 4`` and ``maxnreg`` such that ``maxnreg * 32 * (4 * ceil((BLOCK_M // 16 + 1) / 4))``
@@ -288,21 +311,25 @@ def varlen_fwd_gluon_ws_kernel(
 
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
-    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the consumers' V-tail meeting
-    mbarrier.init(zero_bar, count=NUM_CONSUMERS)
+    gl.static_assert((not PINGPONG) | (NUM_CONSUMERS == 2), "ping-pong needs two consumer warp groups")
+    # between the consumer groups: [0] their V-tail meeting, [1 + w] group w's ping-pong turn (`_wait_turn`)
+    wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(wg_bars.index(0), count=NUM_CONSUMERS)
+    mbarrier.init(wg_bars.index(1), count=1)
+    mbarrier.init(wg_bars.index(2), count=1)
 
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            zero_bar, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                            TOP_LEFT, DIRECT_STORE)),
+                            wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                            TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
                                    qk_scale_log2, window_left, window_right, chunk_size, num_work, q_smem, k_bufs,
-                                   v_bufs, q_bar, q_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE)),
+                                   v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
@@ -312,8 +339,8 @@ def varlen_fwd_gluon_ws_kernel(
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            zero_bar, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                            TOP_LEFT, DIRECT_STORE)),
+                            wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                            TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
