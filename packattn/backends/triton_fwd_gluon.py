@@ -251,6 +251,23 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Work order of the warp-specialised kernels: query heads in sections of this many kv-head groups, one
+# section after the other (`varlen_fwd_gluon_ws._work_item`); 0 = one section of all heads.
+ENV_HEAD_SECTION = "PACKATTN_GLUON_HEAD_SECTION"
+
+
+def heads_per_section(heads_q: int, group_size: int) -> int:
+    """Query heads per section of the work order: ``$PACKATTN_GLUON_HEAD_SECTION`` kv-head groups
+    (A/B runs; clipped to all heads, rounded down to a divisor of the kv heads), else all heads."""
+    groups = int(os.environ.get(ENV_HEAD_SECTION, "0") or 0)
+    heads_kv = heads_q // group_size
+    if groups <= 0 or groups >= heads_kv:
+        return heads_q
+    while heads_kv % groups:
+        groups -= 1
+    return groups * group_size
+
+
 def ws_grid(device: torch.device, cfg: GluonConfig, num_work: int, resources: dict,
             max_programs: int | None = None) -> int:
     """Programs of a warp-specialised launch: one per work item, or with ``cfg.persistent``
@@ -308,8 +325,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         )
         return out, lse
     res = ws_resources(cfg, head_dim)
+    section = heads_per_section(heads_q, heads_q // heads_kv)
     varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
-        *args, num_work, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+        *args, num_work, section, q_tiles.shape[0] * section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"],
     )

@@ -12,13 +12,23 @@ keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals``
 The partitions, ring, barriers, tail rendezvous and register split are those of
 `packattn.kernels.varlen_bwd_gluon_dq_ws` (read its module docstring): a 1-warp producer and two
 consumer warp groups of 64 queries. The difference is the walk: instead of one key range, the
-intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``. All three
-partitions walk the same intervals and count the same ring steps ``j`` (all blocks of the tile so
-far), so slot ``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. Each interval is one call of
-`varlen_bwd_gluon_dq_ws._dq_ws_blocks` with the interval as the key range and the unmasked band
-``[lo, hi)`` (kind 2) or empty (kind 1): with ``STAGES >= 3`` dS crosses from block to block inside
-an interval and the interval's last dQ product finishes before the next interval (one exposed dQ
-product per interval, as per tile in the varlen kernel; a tile has a few intervals).
+visible intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``.
+The producer walks them interval by interval; the consumers with the tree forward's cursor
+(`tree_fwd_gluon._first_block` / `_next_block`: interval index, block start, interval end, kind),
+which yields the same blocks in the same order (`build_query_tiles` stores maximal runs: a kind-0
+row is always followed by a visible one, every visible row holds at least one block). All three
+partitions count the same ring steps ``j`` (all blocks of the tile so far), so slot ``j % STAGES``
+and parity ``(j // STAGES) & 1`` agree.
+
+The consumers run the tile's blocks as ONE software pipeline (`_tree_dq_blocks`): each block is a
+`varlen_bwd_gluon_dq_ws._dq_ws_step` with the tree mask in a masked block (kind 1) and the block as
+its own unmasked band in a full one (kind 2), and with ``STAGES >= 3`` dS of block ``j`` is carried
+into step ``j + 1`` (its ``dQ += dS K`` runs under block ``j + 1``'s S / dP wgmma and softmax) also
+when block ``j + 1`` opens the next interval: only the tile's last dQ product is exposed, as per
+tile in the varlen kernel (it was one per interval, ~1 in 8 blocks on an agent tree). The cursor
+runs one block ahead of the step, so its interval-row loads (only when a block opens a new interval;
+L1 hits, `_count_blocks` read the rows first) complete under the current block's work. The tail
+rendezvous is per step as in varlen (``n + BLOCK_N > total``: at most one block of the tile).
 
 The mask of a masked block needs ``key_end`` of its ``BLOCK_N`` keys. The producer cp.async's them
 into a per-slot ring (``key_ends``, ``STAGES x BLOCK_N`` int32, 1 KB at 4 x 64) next to K and V,
@@ -45,11 +55,11 @@ Triton dQ blocks, 128 x 64).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
-from packattn.kernels.tree_fwd_gluon import _ends_copy
-from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_blocks, _dq_ws_buffers, _program_id
+from packattn.kernels.tree_fwd_gluon import _count_blocks, _ends_copy, _first_block, _next_block
+from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step, _program_id
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
 
 MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
@@ -107,6 +117,71 @@ def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals,
 
 # ---------------------------------------------------------------- consumers
 @gluon.jit
+def _row(at):
+    return gl.load(at), gl.load(at + 1), gl.load(at + 2)
+
+
+@gluon.jit
+def _cursor_enter(at):
+    lo, hi, kind = _row(at)
+    if kind == 0:
+        at += 3
+        lo, hi, kind = _row(at)
+    return at, lo, hi, kind
+
+
+@gluon.jit
+def _cursor_next(at, n, hi, kind, BLOCK_N: gl.constexpr):
+    n += BLOCK_N
+    if n >= hi:
+        at, n, hi, kind = _cursor_enter(at + 3)
+    return at, n, hi, kind
+
+
+@gluon.jit
+def _tree_dq_step(j, n, kind, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
+                  lse_log2, delta, offs_m, total, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CARRY_DS: gl.constexpr, WITH_PREV: gl.constexpr):
+    """Ring step ``j``: `_dq_ws_step` on the tree block at ``n`` of interval kind ``kind``. Its unmasked
+    band is the block itself in a full block (kind 2) and empty in a masked one (kind 1: the tree mask
+    from the slot's ``key_end`` copy); rows past ``total`` as the varlen tail (``len_q = len_kv =
+    total``). Returns ``(dq, ds, ntail)`` as `_dq_ws_step`."""
+    band_lo = gl.where(kind == FULL, n, n + BLOCK_N)  # band [band_lo, n + BLOCK_N)
+    return _dq_ws_step(j, n, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
+                       lse_log2, delta, offs_m, band_lo, n + BLOCK_N, total, total, qk_scale_log2, 0, 0, 0, s_layout,
+                       o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, False, False, False, False, True, CARRY_DS, WITH_PREV)
+
+
+@gluon.jit
+def _tree_dq_blocks(intervals, first, last, num_blocks, dq, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty,
+                    zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The tile's ``num_blocks >= 1`` visible key blocks (interval rows ``[first, last]``) as ring steps
+    ``0 .. num_blocks - 1`` of one consumer warp group, one software pipeline across all intervals:
+    with ``CARRY_DS`` (``STAGES >= 3``) dS of block ``j`` enters step ``j + 1`` wherever that block
+    lies, and only the tile's last dQ product is finished (its slot released) after the loop. The
+    cursor is advanced one block ahead of the step that uses it. Returns ``dq``, no wgmma in flight."""
+    CARRY_DS: gl.constexpr = STAGES >= 3
+    ntail = num_blocks * 0  # tail steps so far (an i32 value: it changes inside a branch)
+    index, n, hi, kind = _cursor_enter(intervals + first * 3)
+    dq, ds, ntail_after = _tree_dq_step(0, n, kind, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
+                                  empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2, s_layout, o_layout,
+                                  WG, BLOCK_N, HEAD_DIM, STAGES, CARRY_DS, False)
+    for j in range(1, num_blocks):
+        index, n, hi, kind = _cursor_next(index, n, hi, kind, BLOCK_N)
+        dq, ds, ntail_after = _tree_dq_step(j, n, kind, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
+                                      empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2, s_layout,
+                                      o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, CARRY_DS, True)
+    if CARRY_DS:  # the tile's one exposed dQ product
+        last_slot = (num_blocks - 1) % STAGES
+        dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last_slot), dq, is_async=True), ds))
+        mbarrier.arrive(empty.index(last_slot), count=1)
+    return dq
+
+
+@gluon.jit
 def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
                       num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar,
                       ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -124,19 +199,11 @@ def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, st
     row0 = q_start * 0  # the tree is one sequence starting at row 0
     lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout)
     delta = _row_vector(Delta, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout, 0.0)
-    ntail = row0  # tail steps so far (an i32 value: it changes inside a branch)
-    j = row0  # ring steps so far
+    num_blocks = _count_blocks(intervals, first, count, BLOCK_N)  # at least 1: a query sees its own key
     mbarrier.wait(q_bar, 0)
-    for i in range(0, count):
-        lo, hi, kind = _interval(intervals, first + i)
-        if kind != 0:
-            num_blocks = (hi - lo) // BLOCK_N  # block aligned, at least one block
-            band_lo = gl.where(kind == FULL, lo, hi)  # kind 2: no element mask anywhere in [lo, hi)
-            dq, ntail = _dq_ws_blocks(j, num_blocks, lo, band_lo, hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
-                                      key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, total, total,
-                                      qk_scale_log2, 0, 0, 0, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
-                                      False, False, False, False, True)
-            j += num_blocks
+    dq = _tree_dq_blocks(intervals, first, first + count - 1, num_blocks, dq, q_wg, do_wg, k_bufs, v_bufs,
+                         key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2,
+                         s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES)
 
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, True)

@@ -37,11 +37,16 @@ from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _load_kv_block, _
 
 @gluon.jit
 def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` (tile ``w // heads``, head ``w % heads``: heads vary fastest, so the
-    longest tiles of every head come first). ``seq < 0`` marks an unused tile-table row."""
-    tile = w // num_heads_q
-    head = w % num_heads_q
+               heads_per_section, section_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Decode work item ``w``. The query heads are cut into sections of ``heads_per_section`` heads
+    (``section_items = tiles x heads_per_section`` items each), taken one after the other; inside a
+    section the heads vary fastest, so its longest tiles come first and the programs running at
+    the same time read the K/V of few heads (L2 reuse). One section of all heads: tile ``w // heads``,
+    head ``w % heads``. ``seq < 0`` marks an unused tile-table row."""
+    section = w // section_items
+    r = w - section * section_items
+    tile = r // heads_per_section
+    head = section * heads_per_section + (r - tile * heads_per_section)
     seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     col_kv = (head // group_size) * HEAD_DIM
@@ -60,7 +65,7 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                 num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                 num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
     """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
@@ -70,7 +75,7 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-            HEAD_DIM, BLOCK_N)
+            heads_per_section, section_items, HEAD_DIM, BLOCK_N)
         if seq >= 0:
             first = gl.minimum(num_blocks, Q_AFTER)
             for b in range(0, first):
@@ -217,7 +222,7 @@ def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
+                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
                  WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
@@ -234,7 +239,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-            HEAD_DIM, BLOCK_N)
+            heads_per_section, section_items, HEAD_DIM, BLOCK_N)
         if seq >= 0:
             q_wg_start = q_start + WG * 64
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
@@ -256,14 +261,14 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 @gluon.jit
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                        window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                        window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                         wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
                         TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM,
+                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM,
                  BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
 
 
@@ -294,6 +299,7 @@ def varlen_fwd_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_o_row, stride_o_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work,
+    heads_per_section, section_items,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -322,26 +328,26 @@ def varlen_fwd_gluon_ws_kernel(
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                             TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
-                                   qk_scale_log2, window_left, window_right, chunk_size, num_work, q_smem, k_bufs,
+                                   qk_scale_log2, window_left, window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
                                    v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                             TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                             HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [1], [PRODUCER_REGS])
