@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _as_tma_tensor, _capability, _descriptor,
-                                                gluon_fwd_supported, ws_split)
+                                                gluon_fwd_supported, heads_per_section, ws_split)
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,8 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
         res = dkdv_ws_resources(cfg, q.shape[-1])
         key_end = key_end if tree else tiles  # KeyEnd: any int32 pointer without the tree mask
-        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, **blocks, TREE=tree,
+        section = heads_per_section(q.shape[1], q.shape[1] // heads_kv) * heads_kv // q.shape[1]  # in kv heads
+        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, section, **blocks, TREE=tree,
                                               CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
                                               num_warps=4, maxnreg=res["maxnreg"])
         return
@@ -267,7 +268,8 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
         from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
 
         res = dq_ws_resources(cfg, q.shape[-1])
-        varlen_bwd_dq_gluon_ws_kernel[grid](*args, **blocks, CONSUMER_REGS=res["consumer_regs"],
+        section = heads_per_section(heads_q, heads_q // k.shape[1])
+        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, **blocks, CONSUMER_REGS=res["consumer_regs"],
                                             PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
         return
     varlen_bwd_dq_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)

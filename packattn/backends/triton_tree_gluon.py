@@ -25,7 +25,8 @@ import torch
 
 from packattn.backends.triton_base import interpreting
 from packattn.backends.triton_fwd_gluon import (CONFIGS, LOG2E, GluonConfig, _as_tma_tensor, _descriptor,
-                                                gluon_fwd_supported, parse_config, shared_bytes, ws_grid, ws_split)
+                                                gluon_fwd_supported, heads_per_section, parse_config, shared_bytes,
+                                                ws_grid, ws_split)
 
 ENV_TREE_CONFIG = "PACKATTN_GLUON_TREE_FWD_CONFIG"
 
@@ -92,6 +93,7 @@ def gluon_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: t
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse,
         key_end.to(torch.int32).contiguous(), tiles, intervals, out.stride(0), out.stride(1), lse.stride(0),
         total, heads_q, heads_q // k.shape[1], scale * LOG2E, num_work,
+        heads_per_section(heads_q, heads_q // k.shape[1]),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         num_warps=4, maxnreg=res["maxnreg"],

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.kernels.varlen_fwd_gluon import (_issue_qk, _load_kv_block, _softmax_full, _softmax_masked, _to_operand,
                                                mma_layout)
-from packattn.kernels.varlen_fwd_gluon_ws import _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
+from packattn.kernels.varlen_fwd_gluon_ws import _section_order, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 
 
 # ---------------------------------------------------------------- the block walk (every partition)
@@ -115,11 +115,11 @@ def _count_blocks(intervals, first, count, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tree_item(tiles, intervals, w, num_heads_q, group_size, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` (tile ``w // heads``, head ``w % heads``): ``(head, col_kv, q_start,
-    first, last, num_blocks)`` with ``[first, last]`` the tile's interval rows."""
-    tile = w // num_heads_q
-    head = w % num_heads_q
+def _tree_item(tiles, intervals, w, num_heads_q, group_size, num_work, heads_per_section, HEAD_DIM: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """Decode work item ``w`` (`varlen_fwd_gluon_ws._section_order`): ``(head, col_kv, q_start, first,
+    last, num_blocks)`` with ``[first, last]`` the tile's interval rows."""
+    tile, head = _section_order(w, heads_per_section, num_work // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)
     first = gl.load(tiles + tile * 3 + 1)
     count = gl.load(tiles + tile * 3 + 2)
@@ -153,15 +153,15 @@ def _load_tree_block(k_desc, v_desc, key_end, k_bufs, v_bufs, ends_bufs, ready, 
 
 @gluon.jit
 def _tree_producer(q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size, num_work,
-                   q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
+                   heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
     """TMA partition (one warp): per work item the first ``min(Q_AFTER, num_blocks)`` blocks, then Q
     (once the consumers released the previous one), then the remaining blocks."""
     block = 0  # ring blocks issued so far (all work items of this program)
     loads_q = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         head, col_kv, q_start, first, last, num_blocks = _tree_item(tiles, intervals, w, num_heads_q, group_size,
-                                                                    HEAD_DIM, BLOCK_N)
+                                                                    num_work, heads_per_section, HEAD_DIM, BLOCK_N)
         index, n, hi, kind = _first_block(intervals, first, last)
         before_q = gl.minimum(num_blocks, Q_AFTER)
         for b in range(0, before_q):
@@ -229,9 +229,9 @@ def _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, interva
 
 @gluon.jit
 def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
-                   group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready,
-                   empty, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   DIRECT_STORE: gl.constexpr):
+                   group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar,
+                   q_empty, ready, empty, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every work item of
     this program."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -241,7 +241,7 @@ def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stri
     loads_q = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         head, col_kv, q_start, first, last, num_blocks = _tree_item(tiles, intervals, w, num_heads_q, group_size,
-                                                                    HEAD_DIM, BLOCK_N)
+                                                                    num_work, heads_per_section, HEAD_DIM, BLOCK_N)
         q_wg_start = q_start + WG * 64
         offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
         mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
@@ -259,14 +259,14 @@ def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stri
 
 
 @gluon.jit
-def _tree_consumer_worker(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
-                          num_heads_q, group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs, ends_bufs, q_bar,
-                          q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          DIRECT_STORE: gl.constexpr):
+def _tree_consumer_worker(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
+                          group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs,
+                          q_bar, q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
-                   group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty,
-                   1, HEAD_DIM, BLOCK_N, STAGES, DIRECT_STORE)
+                   group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar,
+                   q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N, STAGES, DIRECT_STORE)
 
 
 # ---------------------------------------------------------------- kernel
@@ -274,7 +274,7 @@ def _tree_consumer_worker(Out, Lse, tiles, intervals, stride_o_row, stride_o_hea
 def tree_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, Out, Lse, key_end, tiles, intervals,
     stride_o_row, stride_o_head, stride_lse_head,
-    total, num_heads_q, group_size, qk_scale_log2, num_work,
+    total, num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -297,22 +297,24 @@ def tree_fwd_gluon_kernel(
     if BLOCK_M == 128:
         gl.warp_specialize([
             (_tree_consumer, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
-                              num_heads_q, group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs, ends_bufs,
-                              q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES, DIRECT_STORE)),
+                              num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs,
+                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES,
+                              DIRECT_STORE)),
             (_tree_consumer_worker, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
-                                     num_heads_q, group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs,
-                                     ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES,
+                                     num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem,
+                                     k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES,
                                      DIRECT_STORE)),
             (_tree_producer, (q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size,
-                              num_work, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM,
-                              BLOCK_N, STAGES, Q_AFTER)),
+                              num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready,
+                              empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_tree_consumer, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
-                              num_heads_q, group_size, qk_scale_log2, num_work, q_smem, k_bufs, v_bufs, ends_bufs,
-                              q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES, DIRECT_STORE)),
+                              num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs,
+                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES,
+                              DIRECT_STORE)),
             (_tree_producer, (q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size,
-                              num_work, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM,
-                              BLOCK_N, STAGES, Q_AFTER)),
+                              num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready,
+                              empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [1], [PRODUCER_REGS])

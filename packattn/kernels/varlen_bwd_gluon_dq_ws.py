@@ -91,23 +91,25 @@ def _program_id(like, OPAQUE_PID: gl.constexpr):
 
 @gluon.jit
 def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
-    """`_work_item` of this program (heads vary fastest); ``OPAQUE_PID``: see `_program_id`."""
+             heads_per_section, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """`_work_item` of this program (one program per work item, in `_section_order`); ``OPAQUE_PID``:
+    see `_program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
+    section_items = gl.num_programs(0) // num_heads_q * heads_per_section
     return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,
-                      HEAD_DIM, BLOCK_N)
+                      heads_per_section, section_items, HEAD_DIM, BLOCK_N)
 
 
 # ---------------------------------------------------------------- producer
 @gluon.jit
-def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                    row_offsets_kv, num_heads_q, group_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                    num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
     slot ``j % STAGES`` once both consumers released block ``j - STAGES`` there."""
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
         _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 HEAD_DIM, BLOCK_N)
+                 heads_per_section, HEAD_DIM, BLOCK_N)
     if num_blocks > 0:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
@@ -229,17 +231,16 @@ def _dq_ws_blocks(j0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_
 
 @gluon.jit
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, window_left,
-                    window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
-                    WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                    TOP_LEFT: gl.constexpr):
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
         _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 HEAD_DIM, BLOCK_N)
+                 heads_per_section, HEAD_DIM, BLOCK_N)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -259,7 +260,7 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
         _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 HEAD_DIM, BLOCK_N, True)
+                 heads_per_section, HEAD_DIM, BLOCK_N, True)
     if seq >= 0:
         # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
         # with num_blocks == 0 no TMA was issued into them)
@@ -269,16 +270,16 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
 
 @gluon.jit
 def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
-                           scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready,
-                           empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                           TOP_LEFT: gl.constexpr):
+                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
+                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
+                           q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, window_left,
-                    window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 1,
-                    HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
 
 
 # ---------------------------------------------------------------- kernel
@@ -314,7 +315,7 @@ def varlen_bwd_dq_gluon_ws_kernel(
     q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_dq_row, stride_dq_head, stride_lse_head,
-    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -327,16 +328,16 @@ def varlen_bwd_dq_gluon_ws_kernel(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
     gl.warp_specialize([
         (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
-                           scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar,
-                           ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
+                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
+                           q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                            TOP_LEFT)),
         (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                   stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                  qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs,
-                                  v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                  HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
+                                  heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                                  q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N,
+                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
         (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                           row_offsets_kv, num_heads_q, group_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready,
-                           empty, HEAD_DIM, BLOCK_N, STAGES)),
+                           row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs,
+                           q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

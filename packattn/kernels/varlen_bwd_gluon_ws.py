@@ -85,16 +85,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
 from packattn.kernels.varlen_fwd_gluon import _tile_row, _to_operand, _zero_v_tail, mma_layout
+from packattn.kernels.varlen_fwd_gluon_ws import _section_order
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 
 
 @gluon.jit
 def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-               BLOCK_M: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
-    """Decode this program's (key tile, kv head), as `varlen_bwd_dkdv_gluon_kernel` does (heads vary
-    fastest). Every partition calls it, so all agree on ``total`` (0 for an unused row, ``seq < 0``).
-    ``OPAQUE_PID``: read the program id through inline asm that LLVM may not merge with an earlier
+               heads_per_section, BLOCK_M: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """Decode this program's (key tile, kv head) (`_section_order`: sections of ``heads_per_section``
+    kv heads, heads fastest inside a section). Every partition calls it, so all agree on ``total``
+    (0 for an unused row, ``seq < 0``). ``OPAQUE_PID``: read the program id through inline asm that LLVM may not merge with an earlier
     read, so that a second decode (the consumers' epilogue) recomputes everything instead of
     keeping the first decode's values in registers across the main loop."""
     if OPAQUE_PID:
@@ -102,8 +103,8 @@ def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
                                         is_pure=False, pack=1)
     else:
         pid = gl.program_id(0)
-    tile = pid // num_heads_kv
-    kv_head = pid % num_heads_kv
+    # one program per work item, in `_section_order` (sections of ``heads_per_section`` kv heads)
+    tile, kv_head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_kv * heads_per_section)
     seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
@@ -129,8 +130,8 @@ def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLO
 
 @gluon.jit
 def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, k_smem, v_smem, q_bufs, do_bufs,
-                      stats, kv_bar, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, k_smem, v_smem,
+                      q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr):
     """Load partition (one warp): K and V of the tile once, then for each of the ``total`` steps, into
     ring slot ``it % STAGES`` once both consumers released the step ``it - STAGES`` there: lse and
@@ -138,7 +139,7 @@ def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seq
     which adds its own pending arrival), then Q and dO (TMA, ``expect`` bytes on ``ready``)."""
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   BLOCK_M)
+                   heads_per_section, BLOCK_M)
     if total > 0:
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
@@ -261,8 +262,8 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
 
 
 @gluon.jit
-def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                      stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
+                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                       qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
                       do_bufs, stats, kv_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -272,7 +273,7 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   BLOCK_M)
+                   heads_per_section, BLOCK_M)
     k_wg = k_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     v_wg = v_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
@@ -299,7 +300,7 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   BLOCK_M, True)
+                   heads_per_section, BLOCK_M, True)
     first_key = k_start + WG * WG_KEYS
     if seq >= 0:
         # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
@@ -314,17 +315,17 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
 @gluon.jit
 def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                              stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                             q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
-                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                             HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                             TREE: gl.constexpr):
+                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
+                             v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar,
+                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
     """The second consumer warp group (keys 64..127) as a worker partition."""
     _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
-                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, qk_scale_log2, scale,
-                      window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar,
-                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                      TREE)
+                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
+                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
+                      do_bufs, stats, kv_bar, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                      HAS_CHUNK, TOP_LEFT, TREE)
 
 
 # ---------------------------------------------------------------- kernel
@@ -333,7 +334,7 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
-    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
+    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
@@ -370,15 +371,17 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     gl.warp_specialize([
         (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                              stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                             q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES,
-                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
+                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
+                             v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM,
+                             BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
         (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                                     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                    group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
-                                    v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM,
-                                    BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
+                                    group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
+                                    chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
+                                    zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                                    TREE)),
         (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
-                             row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size, k_smem, v_smem,
-                             q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM, BLOCK_M, STAGES)),
+                             row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
+                             heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM,
+                             BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -24,10 +24,7 @@ epilogue; otherwise Q's buffer stages the output (16 B stores) and is released a
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
+    fence_async_shared, mbarrier, tma, warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -36,17 +33,23 @@ from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _load_kv_block, _
 
 
 @gluon.jit
-def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-               heads_per_section, section_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Decode work item ``w``. The query heads are cut into sections of ``heads_per_section`` heads
+def _section_order(w, heads_per_section, section_items):
+    """``(tile, head)`` of work item ``w``: the heads are cut into sections of ``heads_per_section``
     (``section_items = tiles x heads_per_section`` items each), taken one after the other; inside a
-    section the heads vary fastest, so its longest tiles come first and the programs running at
-    the same time read the K/V of few heads (L2 reuse). One section of all heads: tile ``w // heads``,
-    head ``w % heads``. ``seq < 0`` marks an unused tile-table row."""
+    section the heads vary fastest, so its longest tiles come first and the programs running at the
+    same time share the K/V (or Q/dO) of few heads in L2. One section of all heads: tile
+    ``w // heads``, head ``w % heads``."""
     section = w // section_items
     r = w - section * section_items
     tile = r // heads_per_section
-    head = section * heads_per_section + (r - tile * heads_per_section)
+    return tile, section * heads_per_section + (r - tile * heads_per_section)
+
+
+@gluon.jit
+def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
+               heads_per_section, section_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Decode work item ``w`` (`_section_order`); ``seq < 0`` marks an unused tile-table row."""
+    tile, head = _section_order(w, heads_per_section, section_items)
     seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     col_kv = (head // group_size) * HEAD_DIM
@@ -64,9 +67,9 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                 num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
+def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q,
+                 group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
+                 empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
     """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
     the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
@@ -222,11 +225,10 @@ def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
-                 WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                 DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
+                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
+                 empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -261,15 +263,16 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 @gluon.jit
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                        window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                        wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                        window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
+                        q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
                         TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM,
-                 BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
+                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
+                 empty, wg_bars, 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
+                 DIRECT_STORE, PINGPONG)
 
 
 @gluon.jit
@@ -328,26 +331,26 @@ def varlen_fwd_gluon_ws_kernel(
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                            TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
+                            v_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                   stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size,
-                                   qk_scale_log2, window_left, window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
-                                   v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                                   stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
+                                   window_left, window_right, chunk_size, num_work, heads_per_section, section_items,
+                                   q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N,
+                                   STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
+                            q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                            TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
+                            v_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                            HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
+                            q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [1], [PRODUCER_REGS])
