@@ -24,11 +24,12 @@ The consumers run the tile's blocks as ONE software pipeline (`_tree_dq_blocks`)
 `varlen_bwd_gluon_dq_ws._dq_ws_step` with the tree mask in a masked block (kind 1) and the block as
 its own unmasked band in a full one (kind 2), and with ``STAGES >= 3`` dS of block ``j`` is carried
 into step ``j + 1`` (its ``dQ += dS K`` runs under block ``j + 1``'s S / dP wgmma and softmax) also
-when block ``j + 1`` opens the next interval: only the tile's last dQ product is exposed, as per
-tile in the varlen kernel (it was one per interval, ~1 in 8 blocks on an agent tree). The cursor
-runs one block ahead of the step, so its interval-row loads (only when a block opens a new interval;
-L1 hits, `_count_blocks` read the rows first) complete under the current block's work. The tail
-rendezvous is per step as in varlen (``n + BLOCK_N > total``: at most one block of the tile).
+when block ``j + 1`` opens the next interval: one exposed dQ product per tile, as in the varlen
+kernel, instead of one per interval (a pipeline prologue and epilogue per interval left ~1 block in
+8 without overlap on an agent tree). The cursor reads interval rows only when a block opens a new
+interval (a uniform branch, L1 hits: `_count_blocks` read the same rows before the loop); the
+block's kind lives in a register and picks the mask per block. The tail rendezvous is per step as
+in varlen (``n + BLOCK_N > total``: at most one block of the tile, the same step in both consumers).
 
 The mask of a masked block needs ``key_end`` of its ``BLOCK_N`` keys. The producer cp.async's them
 into a per-slot ring (``key_ends``, ``STAGES x BLOCK_N`` int32, 1 KB at 4 x 64) next to K and V,
@@ -46,10 +47,10 @@ rendezvous, ``len_kv = total``), query rows past ``total`` get P = 0 (lse ``+inf
 Every query tile has at least one visible block (a query sees its own key).
 
 Compiled for sm_90a (scripts/check_gluon_bwd_compile.py --tree --kernels dq): at d = 128 with the
-launcher's 128 x 64 blocks and 4 stages, consumers ~198 of 240 registers, no spills, ~198 KB of shared
-memory. ``BLOCK_N = 128`` (2 stages) compiles but spills ~120 B at d = 128 (the mask's key positions
-and ``key_end`` cost 64 registers there); the launcher never picks it (`use_gluon_tree_dq` needs the
-Triton dQ blocks, 128 x 64).
+launcher's 128 x 64 blocks and 4 stages, consumers ~197 / ~201 of 240 registers, no spills, ~198 KB of
+shared memory, one main loop per consumer with wgmma in flight across P and dS. ``BLOCK_N = 128``
+(2 stages) compiles but spills (8 B) at d = 128 (the mask's key positions and ``key_end`` cost 64
+registers there); the launcher never picks it (`use_gluon_tree_dq` needs the Triton dQ blocks, 128 x 64).
 """
 
 from triton.experimental import gluon
@@ -57,8 +58,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
 from packattn.kernels.tree_fwd_gluon import _count_blocks, _ends_copy, _first_block, _next_block
+from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
 from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step, _program_id
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
 
@@ -117,28 +118,6 @@ def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals,
 
 # ---------------------------------------------------------------- consumers
 @gluon.jit
-def _row(at):
-    return gl.load(at), gl.load(at + 1), gl.load(at + 2)
-
-
-@gluon.jit
-def _cursor_enter(at):
-    lo, hi, kind = _row(at)
-    if kind == 0:
-        at += 3
-        lo, hi, kind = _row(at)
-    return at, lo, hi, kind
-
-
-@gluon.jit
-def _cursor_next(at, n, hi, kind, BLOCK_N: gl.constexpr):
-    n += BLOCK_N
-    if n >= hi:
-        at, n, hi, kind = _cursor_enter(at + 3)
-    return at, n, hi, kind
-
-
-@gluon.jit
 def _tree_dq_step(j, n, kind, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
                   lse_log2, delta, offs_m, total, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -161,17 +140,17 @@ def _tree_dq_blocks(intervals, first, last, num_blocks, dq, q_wg, do_wg, k_bufs,
     """The tile's ``num_blocks >= 1`` visible key blocks (interval rows ``[first, last]``) as ring steps
     ``0 .. num_blocks - 1`` of one consumer warp group, one software pipeline across all intervals:
     with ``CARRY_DS`` (``STAGES >= 3``) dS of block ``j`` enters step ``j + 1`` wherever that block
-    lies, and only the tile's last dQ product is finished (its slot released) after the loop. The
-    cursor is advanced one block ahead of the step that uses it. Returns ``dq``, no wgmma in flight."""
+    lies, and only the tile's last dQ product is finished (its slot released) after the loop;
+    otherwise every step finishes its own. Returns ``dq``, no wgmma in flight."""
     CARRY_DS: gl.constexpr = STAGES >= 3
     ntail = num_blocks * 0  # tail steps so far (an i32 value: it changes inside a branch)
-    index, n, hi, kind = _cursor_enter(intervals + first * 3)
-    dq, ds, ntail_after = _tree_dq_step(0, n, kind, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
+    index, n, hi, kind = _first_block(intervals, first, last)
+    dq, ds, ntail = _tree_dq_step(0, n, kind, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
                                   empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2, s_layout, o_layout,
                                   WG, BLOCK_N, HEAD_DIM, STAGES, CARRY_DS, False)
     for j in range(1, num_blocks):
-        index, n, hi, kind = _cursor_next(index, n, hi, kind, BLOCK_N)
-        dq, ds, ntail_after = _tree_dq_step(j, n, kind, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
+        index, n, hi, kind = _next_block(intervals, index, n, hi, kind, first, last, BLOCK_N)
+        dq, ds, ntail = _tree_dq_step(j, n, kind, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
                                       empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2, s_layout,
                                       o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, CARRY_DS, True)
     if CARRY_DS:  # the tile's one exposed dQ product
@@ -199,11 +178,12 @@ def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, st
     row0 = q_start * 0  # the tree is one sequence starting at row 0
     lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout)
     delta = _row_vector(Delta, head, stride_lse_head, row0, first_row, total, WG_ROWS, row_layout, 0.0)
-    num_blocks = _count_blocks(intervals, first, count, BLOCK_N)  # at least 1: a query sees its own key
+    num_blocks = _count_blocks(intervals, first, count, BLOCK_N)  # as many as the producer loads
     mbarrier.wait(q_bar, 0)
-    dq = _tree_dq_blocks(intervals, first, first + count - 1, num_blocks, dq, q_wg, do_wg, k_bufs, v_bufs,
-                         key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2,
-                         s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES)
+    if num_blocks > 0:  # always (a query sees its own key); an empty tile would store zeros
+        dq = _tree_dq_blocks(intervals, first, first + count - 1, num_blocks, dq, q_wg, do_wg, k_bufs, v_bufs,
+                             key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, total, qk_scale_log2,
+                             s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES)
 
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, True)
