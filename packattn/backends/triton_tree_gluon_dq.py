@@ -56,7 +56,7 @@ def gluon_tree_dq(q, k, v, dout, lse, delta, dq, tiles, intervals, key_end, scal
     ``key_end``: int32 `Tree.row_subtree_end`; ``lse`` / ``delta`` float32 ``(heads_q, total)``; ``scale
     >= 0``. Tensors that TMA cannot read as ``(rows, heads * d)`` matrices are copied."""
     from packattn.backends.triton_bwd_gluon import dq_config
-    from packattn.backends.triton_fwd_gluon import LOG2E, _as_tma_tensor, _descriptor
+    from packattn.backends.triton_fwd_gluon import LOG2E, _as_tma_tensor, _descriptor, heads_per_section
     from packattn.kernels.tree_dq_gluon_ws import tree_dq_gluon_ws_kernel
 
     total, heads_q, head_dim = q.shape
@@ -70,6 +70,7 @@ def gluon_tree_dq(q, k, v, dout, lse, delta, dq, tiles, intervals, key_end, scal
     tree_dq_gluon_ws_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, intervals, key_end,
-        dq.stride(0), dq.stride(1), lse.stride(0), total, heads_q, heads_q // k.shape[1], scale * LOG2E, scale,
+        dq.stride(0), dq.stride(1), lse.stride(0), total, heads_q, heads_q // k.shape[1],
+        heads_per_section(heads_q, heads_q // k.shape[1]), scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])

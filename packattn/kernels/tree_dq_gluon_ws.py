@@ -7,7 +7,7 @@ from `triton_varlen.bwd_delta`, no atomics: deterministic) with the tables of
 `packattn.backends.triton_tree.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
 keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals`` rows ``[lo, hi, kind]``
 (block-aligned key rows; kind 0 skipped, 1 element mask, 2 every pair visible). One program per
-(query tile, query head), heads fastest; kv head ``head // group_size``.
+(query tile, query head) in head sections (`varlen_fwd_gluon_ws._section_order`); kv head ``head // group_size``.
 
 The partitions, ring, barriers, tail rendezvous and register split are those of
 `packattn.kernels.varlen_bwd_gluon_dq_ws` (read its module docstring): a 1-warp producer and two
@@ -62,18 +62,19 @@ from packattn.kernels.tree_fwd_gluon import _count_blocks, _ends_copy, _first_bl
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
 from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step, _program_id
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
+from packattn.kernels.varlen_fwd_gluon_ws import _section_order
 
 MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
 FULL = gl.constexpr(2)
 
 
 @gluon.jit
-def _tree_dq_tile(tiles, num_heads_q, group_size, OPAQUE_PID: gl.constexpr = False):
-    """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (heads vary
-    fastest); ``OPAQUE_PID``: see `varlen_bwd_gluon_dq_ws._program_id`."""
+def _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section, OPAQUE_PID: gl.constexpr = False):
+    """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (one program per
+    work item, in `varlen_fwd_gluon_ws._section_order`); ``OPAQUE_PID``: see
+    `varlen_bwd_gluon_dq_ws._program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
-    tile = pid // num_heads_q
-    head = pid % num_heads_q
+    tile, head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)
     first = gl.load(tiles + tile * 3 + 1)
     count = gl.load(tiles + tile * 3 + 2)
@@ -90,13 +91,13 @@ def _interval(intervals, index):
 # ---------------------------------------------------------------- producer
 @gluon.jit
 def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q, group_size,
-                      q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      heads_per_section, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty,
+                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then every key block of the
     tile's intervals, block ``j`` into ring slot ``j % STAGES`` once both consumers released block
     ``j - STAGES`` there: ``key_end`` of its keys first (masked blocks only, cp.async on ``ready``),
     then K and V (TMA)."""
-    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size)
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_start, head * HEAD_DIM], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_start, head * HEAD_DIM], q_bar, do_smem)
@@ -162,13 +163,13 @@ def _tree_dq_blocks(intervals, first, last, num_blocks, dq, q_wg, do_wg, k_bufs,
 
 @gluon.jit
 def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
-                      num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar,
-                      ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      num_heads_q, group_size, heads_per_section, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs,
+                      key_ends, q_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
-    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size)
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -186,7 +187,7 @@ def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, st
                              s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES)
 
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
-    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, True)
+    head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section, True)
     # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done)
     _store_tile(dq * scale, q_wg, dQ + head.to(gl.int64) * stride_dq_head, q_start + WG * WG_ROWS, total,
                 stride_dq_row, WG_ROWS, HEAD_DIM, 4)
@@ -194,13 +195,13 @@ def _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, st
 
 @gluon.jit
 def _tree_dq_consumer_worker(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
-                             num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends,
-                             q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr):
+                             num_heads_q, group_size, heads_per_section, qk_scale_log2, scale, q_smem, do_smem, k_bufs,
+                             v_bufs, key_ends, q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _tree_dq_consumer(dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
-                      num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar,
-                      ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES)
+                      num_heads_q, group_size, heads_per_section, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs,
+                      key_ends, q_bar, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES)
 
 
 # ---------------------------------------------------------------- kernel
@@ -208,7 +209,7 @@ def _tree_dq_consumer_worker(dQ, Lse, Delta, tiles, intervals, total, stride_dq_
 def tree_dq_gluon_ws_kernel(
     q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles, intervals, KeyEnd,
     stride_dq_row, stride_dq_head, stride_lse_head,
-    total, num_heads_q, group_size, qk_scale_log2, scale,
+    total, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -223,13 +224,13 @@ def tree_dq_gluon_ws_kernel(
 
     gl.warp_specialize([
         (_tree_dq_consumer, (dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head, stride_lse_head,
-                             num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem, k_bufs, v_bufs, key_ends,
-                             q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES)),
+                             num_heads_q, group_size, heads_per_section, qk_scale_log2, scale, q_smem, do_smem, k_bufs,
+                             v_bufs, key_ends, q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES)),
         (_tree_dq_consumer_worker, (dQ, Lse, Delta, tiles, intervals, total, stride_dq_row, stride_dq_head,
-                                    stride_lse_head, num_heads_q, group_size, qk_scale_log2, scale, q_smem, do_smem,
-                                    k_bufs, v_bufs, key_ends, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N,
-                                    STAGES)),
-        (_tree_dq_producer, (q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q,
-                             group_size, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, HEAD_DIM,
-                             BLOCK_N, STAGES)),
+                                    stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                                    q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty, zero_bar, HEAD_DIM,
+                                    BLOCK_N, STAGES)),
+        (_tree_dq_producer, (q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals, total, num_heads_q, group_size,
+                             heads_per_section, q_smem, do_smem, k_bufs, v_bufs, key_ends, q_bar, ready, empty,
+                             HEAD_DIM, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
