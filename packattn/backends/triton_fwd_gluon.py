@@ -251,15 +251,21 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Work order of the warp-specialised kernels: query heads in sections of this many kv-head groups, one
-# section after the other (`varlen_fwd_gluon_ws._work_item`); 0 = one section of all heads.
+# Work order of the warp-specialised kernels (`varlen_fwd_gluon_ws._section_order`): the query heads in
+# sections of HEAD_SECTION kv-head groups, one section after the other, so the programs running at the same
+# time share few heads' K/V (Q/dO) in L2. Measured on an H200 against one section of all heads (the old
+# order; results/2026-11-23/s6_ab_head_section_f*_h200.txt, bitwise-equal results), f+b: W1 3.766 -> 3.432
+# ms, W2 6.758 -> 6.637, W4 8.697 -> 7.961, W8 1.194 -> 1.150, W6 3.080 -> 2.907, W7 7.588 -> 7.264; the
+# forward alone W1 0.936 -> 0.876 (1 group: 0.880, 4: 0.887). $PACKATTN_GLUON_HEAD_SECTION overrides it
+# (A/B runs; 0 = all heads in one section).
+HEAD_SECTION = 2
 ENV_HEAD_SECTION = "PACKATTN_GLUON_HEAD_SECTION"
 
 
 def heads_per_section(heads_q: int, group_size: int) -> int:
-    """Query heads per section of the work order: ``$PACKATTN_GLUON_HEAD_SECTION`` kv-head groups
-    (A/B runs; clipped to all heads, rounded down to a divisor of the kv heads), else all heads."""
-    groups = int(os.environ.get(ENV_HEAD_SECTION, "0") or 0)
+    """Query heads per section of the work order: `HEAD_SECTION` (or ``$PACKATTN_GLUON_HEAD_SECTION``)
+    kv-head groups, clipped to all heads and rounded down to a divisor of the kv heads."""
+    groups = int(os.environ.get(ENV_HEAD_SECTION, "") or HEAD_SECTION)
     heads_kv = heads_q // group_size
     if groups <= 0 or groups >= heads_kv:
         return heads_q
