@@ -1,0 +1,75 @@
+"""Where the GPU time of one forward+backward goes: every kernel of ``packattn.attention(...,
+backend="triton" | "triton_tree")`` + ``torch.autograd.grad`` under torch.profiler, averaged over
+``--iters`` calls (after a warm-up), per workload: kernel name, calls per f+b, GPU microseconds per
+f+b, share of the total; then the GPU sum against the wall time per call (sync after each call).
+
+    python3 benchmarks/kernel_breakdown.py W8 W1 W7 [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import packattn
+from packattn.bench.workloads import tree_workloads, varlen_workloads
+
+
+def step_fn(w):
+    desc, q, k, v = w.make_inputs("cuda")
+    tree = isinstance(desc, packattn.Tree)
+    options = {} if tree else w.options
+    backend = "triton_tree" if tree else "triton"
+    dout = torch.randn_like(q)
+
+    def step():
+        out = packattn.attention(q, k, v, desc, backend=backend, **options)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return step
+
+
+def breakdown(name: str, w, iters: int) -> None:
+    step = step_fn(w)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) / iters * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time
+            counts[event.name] += 1
+    gpu_us = sum(totals.values()) / iters
+    print(f"\n{name}: GPU {gpu_us:.1f} us per f+b (sum of kernels), wall {wall_us:.1f} us per synchronised call")
+    for kernel, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {us / iters:9.1f} us  {counts[kernel] / iters:4.1f}x  {100 * us / iters / gpu_us:5.1f}%  {kernel[:90]}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="+")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    table = {**varlen_workloads(), **tree_workloads()}
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name in args.workloads:
+        breakdown(name, table[name], args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
