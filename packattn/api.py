@@ -52,6 +52,25 @@ def _dense_descriptor(batch: int, seqlen_q: int, seqlen_kv: int, device: torch.d
     return Varlen.uniform(batch, seqlen_q, seqlen_kv, device)
 
 
+_CAUSAL, _FULL = Mask.make(True), Mask.make(False)
+
+
+def _make_mask(causal, window, chunk_size) -> Mask:
+    """`Mask.make`, with the two plain masks (causal or not, no window or chunk) shared: Mask is frozen."""
+    if window is None and chunk_size is None:
+        if causal is True:
+            return _CAUSAL
+        if causal is False or causal is None:
+            return _FULL
+    return Mask.make(causal, window, chunk_size)
+
+
+# `dispatch.Params` per distinct field values: building the frozen 16-field dataclass costs ~5 us of host
+# time, and dispatch's cache finds an identical object faster (eager calls; bounded like dispatch's cache)
+_params_cache: dict = {}
+_PARAMS_CACHE_SIZE = 256
+
+
 def _as_tree(seqs):
     """``seqs`` when it is a `packattn.Tree`, else None (the tree package is imported lazily)."""
     if seqs is None or isinstance(seqs, Varlen):
@@ -99,7 +118,7 @@ def attention(
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
     _check_tensors(q, k, v, layout)
-    mask = Mask.make(causal, window, chunk_size)
+    mask = _make_mask(causal, window, chunk_size)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -125,7 +144,8 @@ def attention(
                 f"layout='thd' needs a packattn.Varlen descriptor as seqs, got {type(seqs).__name__}; "
                 "pass layout='bshd' or 'sbhd' for dense batches"
             )
-        seqs = seqs.to(q.device)
+        if seqs.device != q.device:  # (`Varlen.to` returns the descriptor itself then)
+            seqs = seqs.to(q.device)
         if q.shape[0] != seqs.total_q:
             raise ValueError(f"q has {q.shape[0]} rows but the descriptor describes total_q={seqs.total_q}")
         if k.shape[0] != seqs.total_kv or v.shape[0] != seqs.total_kv:
@@ -143,29 +163,34 @@ def attention(
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
     if tree is not None:
-        shape = dict(kind="tree", pad_between_seqs=False, is_self=True, host_lengths=True,
-                     max_seqlen_q=dispatch.Params.bucket(tree.max_depth),
-                     max_seqlen_kv=dispatch.Params.bucket(tree.max_depth))
+        kind, pad_between_seqs, is_self, host_lengths = "tree", False, True, True
+        max_seqlen_q = max_seqlen_kv = dispatch.Params.bucket(tree.max_depth)
     else:
-        shape = dict(kind="dense" if dense else "varlen", pad_between_seqs=seqs.pad_between_seqs,
-                     is_self=seqs.is_self, host_lengths=seqs.lengths_q is not None,
-                     max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
-                     max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv))
-    params = dispatch.Params(
-        device_type=q.device.type,
-        dtype=q.dtype,
-        heads_q=q.shape[-2],
-        heads_kv=k.shape[-2],
-        head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1],
-        **shape,
-        mask=mask,
-        return_lse=bool(return_lse),
-        deterministic=bool(deterministic),
-        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-    )
+        kind, pad_between_seqs, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
+        host_lengths = seqs.lengths_q is not None
+        max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
+        max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)
+    device_type, dtype, heads_q, heads_kv, head_dim, head_dim_v = (
+        q.device.type, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
+    return_lse, deterministic = bool(return_lse), bool(deterministic)
+    requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    fields = (device_type, dtype, heads_q, heads_kv, head_dim, head_dim_v, kind, pad_between_seqs, is_self,
+              host_lengths, max_seqlen_q, max_seqlen_kv, mask, return_lse, deterministic, requires_grad)
+    compiling = torch.compiler.is_compiling()
+    params = None if compiling else _params_cache.get(fields)
+    if params is None:
+        params = dispatch.Params(
+            device_type=device_type, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+            head_dim_v=head_dim_v, kind=kind, pad_between_seqs=pad_between_seqs, is_self=is_self,
+            host_lengths=host_lengths, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask=mask,
+            return_lse=return_lse, deterministic=deterministic, requires_grad=requires_grad,
+        )
+        if not compiling:
+            if len(_params_cache) >= _PARAMS_CACHE_SIZE:
+                _params_cache.clear()
+            _params_cache[fields] = params
     chosen = dispatch.select(params, backend)
-    problem = Problem(qt, kt, vt, seqs, mask, float(scale), bool(return_lse), bool(deterministic), dense)
+    problem = Problem(qt, kt, vt, seqs, mask, float(scale), return_lse, deterministic, dense)
     out, lse = chosen.run(problem)
 
     if dense is not None:

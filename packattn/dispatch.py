@@ -57,9 +57,22 @@ class NoBackendError(ValueError):
 
 
 def _env() -> tuple[str | None, frozenset[str]]:
-    forced = os.environ.get("PACKATTN_BACKEND", "").strip() or None
-    disabled = frozenset(n.strip() for n in os.environ.get("PACKATTN_DISABLE", "").split(",") if n.strip())
-    return forced, disabled
+    raw = os.environ.get("PACKATTN_BACKEND", ""), os.environ.get("PACKATTN_DISABLE", "")
+    if torch.compiler.is_compiling():
+        return _parse_env(*raw)
+    parsed = _env_cache.get(raw)  # read on every call, parsed once per distinct value
+    if parsed is None:
+        if len(_env_cache) >= _CACHE_SIZE:
+            _env_cache.clear()
+        parsed = _env_cache[raw] = _parse_env(*raw)
+    return parsed
+
+
+def _parse_env(backend: str, disable: str) -> tuple[str | None, frozenset[str]]:
+    return backend.strip() or None, frozenset(n.strip() for n in disable.split(",") if n.strip())
+
+
+_env_cache: dict = {}
 
 
 def reasons(params: Params, requested: str = "auto") -> list[tuple[str, str | None]]:

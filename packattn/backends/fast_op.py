@@ -19,13 +19,18 @@ from __future__ import annotations
 import torch
 
 
+# argument types that are not tensor subclasses: one set lookup each (isinstance costs more host time)
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+
+
 def _plain(args) -> bool:
     """No argument is a tensor subclass (lists of tensors included)."""
     for a in args:
+        if type(a) in _PLAIN_TYPES:
+            continue
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
-                return False
-        elif isinstance(a, (list, tuple)) and not _plain(a):
+            return False
+        if isinstance(a, (list, tuple)) and not _plain(a):
             return False
     return True
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _as_tma_tensor, _capability, _descriptor,
+from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, ws_split)
 
 
@@ -137,7 +137,7 @@ def gluon_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     """Device, dtype, head dim and GQA test of `gluon_bwd_supported`, without strides (the launchers
     copy what TMA cannot read): stable between the forward (which builds the tile tables) and the
     backward (which launches), so both sides can call it and agree."""
-    if not all(t.is_cuda for t in (q, k, v)) or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if _capability(index)[0] != 9:
@@ -196,16 +196,16 @@ def _mask_constexprs(mask_args, top_left: bool) -> dict:
 
 
 def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
-                      top_left: bool, key_end: torch.Tensor | None = None) -> None:
+                      top_left: bool, key_end: torch.Tensor | None = None,
+                      config: GluonBwdConfig | None = None) -> None:
     """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`, or `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`
     when the config says ``warp_specialize``), one program per (key tile, kv head). ``tiles``
     built with ``dkdv_config(d).block_n`` keys per tile and ``.block_m`` as the query step; ``lse`` /
     ``delta`` float32 ``(heads_q, rows)`` with row stride 1; ``dk`` / ``dv`` written on the rows of
     sequences only (the caller fills padding rows). ``key_end`` (int32 `Tree.row_subtree_end`): the
     tree mask (warp-specialised kernel only; ``tiles`` from `triton_tree.build_key_tiles`, ``seq_args``
-    one sequence of all rows); ``mask_args`` / ``top_left`` are then ignored."""
-    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
-
+    one sequence of all rows); ``mask_args`` / ``top_left`` are then ignored. ``config``: `dkdv_config`'s
+    answer when the caller has it already (saves re-reading the environment)."""
     heads_kv = k.shape[1]
     grid = (tiles.shape[0] * heads_kv,)
     if grid[0] == 0 or k.shape[0] == 0:
@@ -214,9 +214,8 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
         dk.zero_()
         dv.zero_()
         return
-    q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
-    lse, delta = lse.contiguous(), delta.contiguous()
-    cfg = dkdv_config(q.shape[-1])
+    lse, delta = lse.contiguous(), delta.contiguous()  # (`_descriptor` copies what TMA cannot read)
+    cfg = config if config is not None else dkdv_config(q.shape[-1])
     tree = key_end is not None
     if tree:
         if not cfg.warp_specialize:
@@ -224,7 +223,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
         mask_args, top_left = (-1, -1, 0), False  # no window / chunk: the constexprs select the tree mask alone
     tensors = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
                _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args)
-    scalars = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+    scalars = (*dk.stride()[:2], *dv.stride()[:2], lse.stride()[0],
                heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(mask_args, top_left))
@@ -238,16 +237,20 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
                                               CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
                                               num_warps=4, maxnreg=res["maxnreg"])
         return
+    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
+
     varlen_bwd_dkdv_gluon_kernel[grid](*tensors, *scalars, **blocks, num_warps=cfg.num_warps)
 
 
-def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool) -> None:
+def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
+                    config: GluonBwdConfig | None = None, out: torch.Tensor | None = None) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
     the config says ``warp_specialize``), one program per (query tile, query head). ``tiles`` built with
     ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
-    of sequences only."""
-    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
-
+    of sequences only. ``config``: `dq_config`'s answer when the caller has it already. ``out`` (the
+    forward's output, last dim contiguous; warp-specialised kernel only): the kernel computes ``delta =
+    rowsum(dout * out)`` itself and writes it into ``delta`` (zero-filled by the caller) for the dK/dV
+    pass that runs next, instead of reading the preprocess's."""
     heads_q = q.shape[1]
     grid = (tiles.shape[0] * heads_q,)
     if grid[0] == 0 or q.shape[0] == 0:
@@ -255,12 +258,11 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
         dq.zero_()
         return
-    q, k, v, dout = (_as_tma_tensor(x) for x in (q, k, v, dout))
-    lse, delta = lse.contiguous(), delta.contiguous()
-    cfg = dq_config(q.shape[-1])
+    lse, delta = lse.contiguous(), delta.contiguous()  # (`_descriptor` copies what TMA cannot read)
+    cfg = config if config is not None else dq_config(q.shape[-1])
     args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
             _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, *seq_args,
-            dq.stride(0), dq.stride(1), lse.stride(0),
+            *dq.stride()[:2], lse.stride()[0],
             heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(mask_args, top_left))
@@ -269,9 +271,15 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
 
         res = dq_ws_resources(cfg, q.shape[-1])
         section = heads_per_section(heads_q, heads_q // k.shape[1])
-        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, **blocks, CONSUMER_REGS=res["consumer_regs"],
-                                            PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
+        o = dq if out is None else out  # Out is read only with DELTA_FROM_O
+        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, o, *o.stride()[:2], **blocks,
+                                            CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+                                            num_warps=4, maxnreg=res["maxnreg"], DELTA_FROM_O=out is not None)
         return
+    if out is not None:
+        raise ValueError(f"delta from out needs the warp-specialised dQ kernel (config {cfg.label()})")
+    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
+
     varlen_bwd_dq_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)
 
 

@@ -168,8 +168,9 @@ def _tma_compatible(x: torch.Tensor) -> bool:
     """``(rows, heads, d)`` viewable as a 2-D ``(rows, heads * d)`` TMA tensor: heads and d packed,
     16-byte aligned base and row stride."""
     _, heads, d = x.shape
-    return (x.stride(2) == 1 and (x.stride(1) == d or heads == 1) and x.stride(0) * x.element_size() % 16 == 0
-            and x.data_ptr() % 16 == 0 and x.stride(0) >= heads * d)
+    s0, s1, s2 = x.stride()  # one call: x.stride(i) costs ~0.3 us of host time each
+    return (s2 == 1 and (s1 == d or heads == 1) and s0 * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0 and s0 >= heads * d)
 
 
 def gluon_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
@@ -177,20 +178,25 @@ def gluon_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
     float16 / bfloat16, head dim 64 or 128 (q, k, v alike), heads_q a multiple of heads_kv, and
     each tensor viewable as a TMA 2-D ``(rows, heads * d)`` tensor (heads and d packed, 16-byte
     aligned base and row stride). `gluon_fwd` itself copies a tensor that fails only the last test."""
-    tensors = [t for t in (q, k, v) if t is not None]
-    if not all(t.is_cuda for t in tensors) or q.dim() != 3 or k.dim() != 3:
+    # (plain loops and and-chains: this runs on every call, and generators cost host time)
+    tensors = (q, k) if v is None else (q, k, v)
+    if not (q.is_cuda and k.is_cuda and (v is None or v.is_cuda)) or q.dim() != 3 or k.dim() != 3:
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if _capability(index)[0] != 9:
+    index = q.device.index
+    if _capability(index if index is not None else torch.cuda.current_device())[0] != 9:
         return False
-    if q.dtype not in DTYPES or any(t.dtype != q.dtype for t in tensors):
+    dtype, d = q.dtype, q.shape[-1]
+    if dtype not in DTYPES or d not in HEAD_DIMS:
         return False
-    d = q.shape[-1]
-    if d not in HEAD_DIMS or any(t.shape[-1] != d for t in tensors):
-        return False
+    for t in tensors:
+        if t.dtype != dtype or t.shape[-1] != d:
+            return False
     if q.shape[1] % k.shape[1] != 0:
         return False
-    return all(_tma_compatible(t) for t in tensors)
+    for t in tensors:
+        if not _tma_compatible(t):
+            return False
+    return True
 
 
 def _as_tma_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -198,13 +204,59 @@ def _as_tma_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 def _descriptor(x: torch.Tensor, block_rows: int):
-    """TMA descriptor over the 2-D ``(rows, heads * d)`` view of ``x``, blocks ``[block_rows, d]``.
-    Rows past the tensor read as zeros; rows of other sequences are masked in the kernel."""
+    """TMA descriptor over the 2-D ``(rows, heads * d)`` view of ``x`` (of a contiguous copy where TMA
+    cannot read ``x`` itself, as `_as_tma_tensor`), blocks ``[block_rows, d]``. Rows past the tensor
+    read as zeros; rows of other sequences are masked in the kernel."""
+    tma = _tma_compatible(x)
+    if not tma:
+        x = x.contiguous()
+        tma = _tma_compatible(x)
+    rows, heads, d = x.shape
+    args = (x, [rows, heads * d], [x.stride()[0], 1], [block_rows, d], _smem_layout((block_rows, d), x.dtype))
+    if tma and rows > 0 and heads > 0:  # the per-tensor checks of TensorDescriptor pass
+        cls = _unchecked_descriptor_class(block_rows, d, x.dtype)
+        if cls is not None:
+            return _unchecked_descriptor(cls, *args)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    rows, heads, d = x.shape
-    block = [block_rows, d]
-    return TensorDescriptor(x, [rows, heads * d], [x.stride(0), 1], block, smem_layout(block, x.dtype))
+    return TensorDescriptor(*args)
+
+
+# The fields of Gluon's Hopper TensorDescriptor (a dataclass) that `_unchecked_descriptor` fills in
+_DESCRIPTOR_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+
+def _unchecked_descriptor(cls, base, shape, strides, block_shape, layout):
+    """``cls(base, shape, strides, block_shape, layout)`` without its ``__post_init__`` checks (~2 us of
+    host time per descriptor, 11 descriptors per W8 forward+backward); see `_unchecked_descriptor_class`."""
+    desc = cls.__new__(cls)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = (
+        base, shape, strides, block_shape, layout, "zero")
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _unchecked_descriptor_class(block_rows: int, d: int, dtype: torch.dtype):
+    """Gluon's ``TensorDescriptor`` when `_descriptor` may build descriptors with blocks ``[block_rows, d]``
+    of ``dtype`` through `_unchecked_descriptor`, else None (`_descriptor` then calls the class). Yes
+    when the class is the plain dataclass known here and a descriptor built both ways over a small
+    tensor is the same (so the block / dtype / layout checks pass and ``__post_init__`` derives no other
+    state); the per-tensor checks (16-byte aligned base and row stride, unit last stride, positive
+    shape) are `_descriptor`'s, before each use."""
+    import dataclasses
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    try:
+        if tuple(f.name for f in dataclasses.fields(TensorDescriptor)) != _DESCRIPTOR_FIELDS:
+            return None
+        x = torch.empty(block_rows, d, dtype=dtype)
+        args = (x, [block_rows, d], [d, 1], [block_rows, d], _smem_layout((block_rows, d), dtype))
+        checked = TensorDescriptor(*args)
+        unchecked = _unchecked_descriptor(TensorDescriptor, *args)
+    except (AssertionError, TypeError, ValueError, KeyError):
+        return None
+    return TensorDescriptor if vars(unchecked) == vars(checked) else None
 
 
 SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (each CTA also takes 1 KB of it)
@@ -299,11 +351,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``out`` / ``lse``: preallocated outputs whose rows in no sequence already hold 0 / -inf (the
     kernel writes only rows of sequences); allocated here (zero / -inf filled when ``padded_q``)
     when not given."""
-    from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
     from packattn.kernels.varlen_fwd_gluon_ws import varlen_fwd_gluon_ws_kernel
 
-    q, k, v = (_as_tma_tensor(x) for x in (q, k, v))
-    total_q, heads_q, head_dim = q.shape
+    total_q, heads_q, head_dim = q.shape  # (`_descriptor` copies what TMA cannot read)
     heads_kv = k.shape[1]
     # rows in no sequence are never written by the kernel: they must start as zeros / -inf
     if out is None:
@@ -325,6 +375,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             heads_q, heads_q // heads_kv, scale * LOG2E, window_left, window_right, chunk_size)
     masks = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
     if not cfg.warp_specialize:
+        from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
+
         varlen_fwd_gluon_kernel[(num_work,)](
             *args, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
             num_warps=cfg.num_warps,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from packattn import mask as masks
-from packattn.backends import fast_op
+from packattn.backends import fast_op, triton_bwd_gluon, triton_fwd_gluon
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.varlen import Varlen
@@ -237,7 +237,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.stride()[-1] == 1 else x.contiguous()  # (x.stride(-1) costs twice the host time)
 
 
 # The forward carries its per-batch tables in one list and its integer options in another: the
@@ -257,23 +257,22 @@ def _varlen_fwd(
     `FWD_OPTIONS`. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
     ``long_seqs``, ``gluon``: the forward kernel and config that ``q_tiles`` was built for (the Gluon
     forward when ``gluon``, see `use_gluon_fwd`)."""
-    from packattn.kernels.varlen_fwd import varlen_fwd_kernel
-
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles = tables[:5]
     window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon = options
     top_left, padded_q, long_seqs, gluon = bool(top_left), bool(padded_q), bool(long_seqs), bool(gluon)
 
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     # rows in no sequence are never written by the kernels: they must start as zeros / -inf
     out = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
     lse = _new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     if gluon:
-        from packattn.backends.triton_fwd_gluon import gluon_fwd
+        return triton_fwd_gluon.gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles,
+                                          scale, window_left, window_right, chunk_size, top_left, padded_q, long_seqs,
+                                          out=out, lse=lse)
+    from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
-        return gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles, scale,
-                         window_left, window_right, chunk_size, top_left, padded_q, long_seqs, out=out, lse=lse)
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -304,23 +303,14 @@ def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     an H200 (benchmarks/NOTES.md, v8). ``PACKATTN_TRITON_FWD=triton`` keeps the Triton forward."""
     if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_FWD") == "triton":
         return False
-    from packattn.backends.triton_fwd_gluon import gluon_fwd_supported
-
-    return gluon_fwd_supported(q, k, v)
+    return triton_fwd_gluon.gluon_fwd_supported(q, k, v)
 
 
 def use_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: LaunchConfig) -> bool:
     """The Gluon Hopper dQ pass (`packattn.kernels.varlen_bwd_gluon`) runs instead of the Triton one
     where it can and its blocks are the Triton dQ config's (so the dQ tile table fits both): measured
     1.01-1.19x the Triton dQ pass on W1/W2/W4/W8 (H200). ``PACKATTN_TRITON_BWD=triton`` keeps Triton."""
-    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_BWD") == "triton":
-        return False
-    from packattn.backends.triton_bwd_gluon import dq_config, gluon_bwd_eligible
-
-    if not gluon_bwd_eligible(q, k, v):
-        return False
-    cfg = dq_config(q.shape[-1])
-    return (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n)
+    return _gluon_dq_config(q, _gluon_bwd_possible(q, k, v), config) is not None
 
 
 def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -329,23 +319,43 @@ def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     an H200 (benchmarks/NOTES.md, v11). Depends only on dtypes, shapes, device and the environment, so
     the forward (which builds the tile table, `dkdv_blocks`) and the backward agree.
     ``PACKATTN_TRITON_BWD=triton`` keeps the Triton pass."""
-    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_BWD") == "triton":
-        return False
-    from packattn.backends.triton_bwd_gluon import dkdv_config, gluon_bwd_eligible
-
-    return gluon_bwd_eligible(q, k, v) and dkdv_config(q.shape[-1]).warp_specialize
+    return _gluon_dkdv_config(q, _gluon_bwd_possible(q, k, v)) is not None
 
 
 def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """``(keys per tile, queries per step)`` of the dK/dV pass `varlen_bwd` runs on these tensors: the
     arguments of its key tile table, ``tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))``."""
-    if use_gluon_dkdv(q, k, v):
-        from packattn.backends.triton_bwd_gluon import dkdv_config
-
-        cfg = dkdv_config(q.shape[-1])
-    else:
+    cfg = _gluon_dkdv_config(q, _gluon_bwd_possible(q, k, v))
+    if cfg is None:
         cfg = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
     return cfg.block_n, cfg.block_m
+
+
+# The two backward decisions share their first test; `_varlen_bwd` makes it once per call and hands the
+# configs to the Gluon launchers (each environment variable read once: these run on every call).
+def _gluon_bwd_possible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Not the interpreter, CUDA, no ``PACKATTN_TRITON_BWD=triton``, `gluon_bwd_eligible`."""
+    return (not interpreting() and q.is_cuda and os.environ.get("PACKATTN_TRITON_BWD") != "triton"
+            and triton_bwd_gluon.gluon_bwd_eligible(q, k, v))
+
+
+def _gluon_dkdv_config(q: torch.Tensor, possible: bool):
+    """Gluon's `dkdv_config` when the Gluon dK/dV pass runs (`use_gluon_dkdv`), else None."""
+    if possible:
+        cfg = triton_bwd_gluon.dkdv_config(q.shape[-1])
+        if cfg.warp_specialize:
+            return cfg
+    return None
+
+
+def _gluon_dq_config(q: torch.Tensor, possible: bool, config: LaunchConfig):
+    """Gluon's `dq_config` when the Gluon dQ pass runs (`use_gluon_dq`; ``config``: the Triton dQ
+    pass's, whose blocks the dQ tile table has), else None."""
+    if possible:
+        cfg = triton_bwd_gluon.dq_config(q.shape[-1])
+        if (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n):
+            return cfg
+    return None
 
 
 def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
@@ -378,38 +388,55 @@ def _varlen_bwd(
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
     on the H200 (benchmarks/NOTES.md), so there is one backward."""
-    from packattn.kernels.varlen_bwd import bwd_dq_kernel
-
-    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    dout, q, k, v, out = (_last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
+                          _last_dim_contiguous(v), _last_dim_contiguous(out))
     lse = lse.contiguous()
     heads_q, head_dim = q.shape[1], q.shape[2]
     group = heads_q // k.shape[1]
-    delta = bwd_delta(out, dout, lse, dlse)
     dq = _new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
     dk = _new_output(k.shape, k.dtype, k.device, padded_kv, pad_rows_kv)
     dv = _new_output(v.shape, v.dtype, v.device, padded_kv, pad_rows_kv)
     mask_args = (window_left, window_right, chunk_size)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(q.dtype),
-                  **_mask_constexprs(window_left, window_right, chunk_size, top_left))
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    if use_gluon_dkdv(q, k, v):
-        from packattn.backends.triton_bwd_gluon import gluon_launch_dkdv
-
-        gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args, top_left)
+    gluon_possible = _gluon_bwd_possible(q, k, v)
+    dkdv_config = _gluon_dkdv_config(q, gluon_possible)
+    config = launch_config("dq", head_dim, q.dtype, q.device)
+    dq_config = _gluon_dq_config(q, gluon_possible, config)
+    if dkdv_config is not None and dq_config is not None and dq_config.warp_specialize and dlse is None:
+        # the warp-specialised dQ pass computes delta = rowsum(dO * O) itself (no preprocess kernel) and
+        # runs first; rows no dQ tile covers keep delta = 0 (no key sees them: their P is 0 in dK/dV)
+        delta = torch.zeros((heads_q, q.shape[0]), device=q.device, dtype=torch.float32)
+        triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
+                                         config=dq_config, out=out)
+        triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
+                                           top_left, config=dkdv_config)
+        return dq, dk, dv
+    delta = bwd_delta(out, dout, lse, dlse)
+    if dkdv_config is not None:
+        triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
+                                           top_left, config=dkdv_config)
     else:
+        common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
         launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
 
-    config = launch_config("dq", head_dim, q.dtype, q.device)
-    if use_gluon_dq(q, k, v, config):
-        from packattn.backends.triton_bwd_gluon import gluon_launch_dq
-
-        gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left)
+    if dq_config is not None:
+        triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
+                                         config=dq_config)
         return dq, dk, dv
+    from packattn.kernels.varlen_bwd import bwd_dq_kernel
+
+    common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
             dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args)
     _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
             dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
     return dq, dk, dv
+
+
+def _bwd_constexprs(head_dim: int, dtype: torch.dtype, mask_args: tuple, top_left: bool) -> dict:
+    """The constexprs both Triton backward passes take (`launch_dkdv`'s ``common``)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(dtype),
+                **_mask_constexprs(*mask_args, top_left))
 
 
 def _qkv_do_strides(q, k, v, dout) -> tuple:
@@ -426,8 +453,8 @@ def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: to
     dlse = dlse.contiguous() if has_dlse else delta  # placeholder pointer when there is no dlse
     grid = (-(-total_q // PREPROCESS_BLOCK_M), heads_q)
     if grid[0] > 0:
-        bwd_preprocess_kernel[grid](out, dout, lse, dlse, delta, total_q, out.stride(0), out.stride(1),
-                                    dout.stride(0), dout.stride(1), delta.stride(0), HEAD_DIM=head_dim,
+        bwd_preprocess_kernel[grid](out, dout, lse, dlse, delta, total_q, *out.stride()[:2],
+                                    *dout.stride()[:2], delta.stride()[0], HEAD_DIM=head_dim,
                                     BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=has_dlse)
     return delta
 
@@ -526,9 +553,7 @@ class TritonVarlenBackend(TritonBackend):
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
         gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
         if gluon:
-            from packattn.backends.triton_fwd_gluon import config_for
-
-            fwd = config_for(head_dim, long_seqs)
+            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs)
         else:
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
