@@ -243,14 +243,11 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
-                    config: GluonBwdConfig | None = None, out: torch.Tensor | None = None) -> None:
+                    config: GluonBwdConfig | None = None) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
     the config says ``warp_specialize``), one program per (query tile, query head). ``tiles`` built with
     ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
-    of sequences only. ``config``: `dq_config`'s answer when the caller has it already. ``out`` (the
-    forward's output, last dim contiguous; warp-specialised kernel only): the kernel computes ``delta =
-    rowsum(dout * out)`` itself and writes it into ``delta`` (zero-filled by the caller) for the dK/dV
-    pass that runs next, instead of reading the preprocess's."""
+    of sequences only. ``config``: `dq_config`'s answer when the caller has it already."""
     heads_q = q.shape[1]
     grid = (tiles.shape[0] * heads_q,)
     if grid[0] == 0 or q.shape[0] == 0:
@@ -271,13 +268,9 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
 
         res = dq_ws_resources(cfg, q.shape[-1])
         section = heads_per_section(heads_q, heads_q // k.shape[1])
-        o = dq if out is None else out  # Out is read only with DELTA_FROM_O
-        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, o, *o.stride()[:2], **blocks,
-                                            CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-                                            num_warps=4, maxnreg=res["maxnreg"], DELTA_FROM_O=out is not None)
+        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, **blocks, CONSUMER_REGS=res["consumer_regs"],
+                                            PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
         return
-    if out is not None:
-        raise ValueError(f"delta from out needs the warp-specialised dQ kernel (config {cfg.label()})")
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
 
     varlen_bwd_dq_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)

@@ -402,15 +402,6 @@ def _varlen_bwd(
     dkdv_config = _gluon_dkdv_config(q, gluon_possible)
     config = launch_config("dq", head_dim, q.dtype, q.device)
     dq_config = _gluon_dq_config(q, gluon_possible, config)
-    if dkdv_config is not None and dq_config is not None and dq_config.warp_specialize and dlse is None:
-        # the warp-specialised dQ pass computes delta = rowsum(dO * O) itself (no preprocess kernel) and
-        # runs first; rows no dQ tile covers keep delta = 0 (no key sees them: their P is 0 in dK/dV)
-        delta = torch.zeros((heads_q, q.shape[0]), device=q.device, dtype=torch.float32)
-        triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
-                                         config=dq_config, out=out)
-        triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
-                                           top_left, config=dkdv_config)
-        return dq, dk, dv
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,

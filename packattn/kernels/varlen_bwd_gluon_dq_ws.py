@@ -70,7 +70,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
-from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout, row_store_layout
+from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout
 from packattn.kernels.varlen_fwd_gluon_ws import _work_item
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
@@ -230,35 +230,12 @@ def _dq_ws_blocks(j0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_
 
 
 @gluon.jit
-def _delta_from_o(do_wg, Out, Delta, head, row0_q, first, len_q, stride_o_row, stride_o_head, stride_delta_head,
-                  HEAD_DIM: gl.constexpr):
-    """The backward preprocess for one consumer's 64 queries ``first ...``: ``delta = rowsum(dO * O)``
-    in float32 (dO from the warp group's shared rows, O from global memory), stored to ``Delta`` for
-    rows before ``len_q`` in 16-row chunks (few registers), then a barrier over the warp group so it
-    can read them back in its row layout."""
-    CHUNK: gl.constexpr = 16
-    layout: gl.constexpr = row_store_layout(4, HEAD_DIM)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    o_base = Out + (row0_q + first).to(gl.int64) * stride_o_row + head.to(gl.int64) * stride_o_head
-    d_base = Delta + head.to(gl.int64) * stride_delta_head + (row0_q + first).to(gl.int64)
-    for c in gl.static_range(WG_ROWS // CHUNK):
-        local = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-        ok = local < len_q - first
-        do = do_wg.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)
-        o = gl.load(o_base + local[:, None] * stride_o_row + cols[None, :], mask=ok[:, None], other=0.0)
-        gl.store(d_base + local, gl.sum(do * o.to(gl.float32), axis=1), mask=ok)
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
                     window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, Out, stride_o_row, stride_o_head, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, DELTA_FROM_O: gl.constexpr):
-    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ
-    (and with ``DELTA_FROM_O`` their delta first, `_delta_from_o`)."""
+                    zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
@@ -272,12 +249,9 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         offs_m = first + gl.arange(0, WG_ROWS, layout=row_layout)
         lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout)
-        mbarrier.wait(q_bar, 0)
-        if DELTA_FROM_O:
-            _delta_from_o(do_wg, Out, Delta, head, row0_q, first, len_q, stride_o_row, stride_o_head,
-                          stride_lse_head, HEAD_DIM)
         delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
         ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
+        mbarrier.wait(q_bar, 0)
         dq, ntail = _dq_ws_blocks(0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None,
                                   ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
                                   window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
@@ -298,16 +272,14 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
 def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
                            qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                           q_bar, ready, empty, zero_bar, Out, stride_o_row, stride_o_head, HEAD_DIM: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                           HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                           DELTA_FROM_O: gl.constexpr):
+                           q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
                     window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, Out, stride_o_row, stride_o_head, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                    HAS_CHUNK, TOP_LEFT, DELTA_FROM_O)
+                    zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
 
 
 # ---------------------------------------------------------------- kernel
@@ -344,32 +316,27 @@ def varlen_bwd_dq_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
-    Out, stride_o_row, stride_o_head,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    DELTA_FROM_O: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus the
-    register split, the work order's ``heads_per_section`` and the forward's output ``Out`` (rows,
-    heads_q, d; read only with ``DELTA_FROM_O``: then ``Delta`` is written here, `_delta_from_o`,
-    for the dK/dV pass that runs after, instead of by the preprocess); launch with ``num_warps = 4``
-    and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc``
-    blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``."""
+    register split; launch with ``num_warps = 4`` and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources`
+    says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc``
+    blocks ``[BLOCK_N, HEAD_DIM]``."""
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
     gl.warp_specialize([
         (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
                            qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                           q_bar, ready, empty, zero_bar, Out, stride_o_row, stride_o_head, 0, HEAD_DIM, BLOCK_N,
-                           STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DELTA_FROM_O)),
+                           q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                           TOP_LEFT)),
         (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                   stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
                                   heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                  q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, Out, stride_o_row,
-                                  stride_o_head, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                  DELTA_FROM_O)),
+                                  q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N,
+                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
         (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                            row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs,
                            q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
