@@ -104,10 +104,11 @@ def _root_cause(e: BaseException) -> str:
 
 
 def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False,
-                    delta_from_o: bool = False):
+                    delta_from_o: bool = False, persistent: bool = False):
     """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
     the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``delta_from_o``: the
-    warp-specialised varlen dQ kernel computing delta itself (``DELTA_FROM_O``)."""
+    warp-specialised varlen dQ kernel computing delta itself (``DELTA_FROM_O``); ``persistent``: the
+    warp-specialised dK/dV kernel's persistent variant (``PERSISTENT``)."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
@@ -127,6 +128,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
         if fn is varlen_bwd_dq_gluon_ws_kernel:
             constexprs.update(DELTA_FROM_O=delta_from_o)
+        if fn is varlen_bwd_dkdv_gluon_ws_kernel:
+            constexprs.update(PERSISTENT=persistent)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
     for name in fn.arg_names:
@@ -210,6 +213,8 @@ def main() -> int:
                         help="the warp-specialised dQ kernel with DELTA_FROM_O (delta computed in the kernel)")
     parser.add_argument("--tree", action="store_true",
                         help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
+    parser.add_argument("--persistent", action="store_true",
+                        help="the warp-specialised dK/dV kernel with PERSISTENT (persistent grid)")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
     failures = 0
@@ -224,7 +229,7 @@ def main() -> int:
                         continue
                     try:
                         cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config, args.tree,
-                                                                    args.delta_from_o)
+                                                                    args.delta_from_o, args.persistent)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -256,7 +261,8 @@ def main() -> int:
                         os.makedirs(args.dump, exist_ok=True)
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
-                                                       f"{'_ws' if cfg.warp_specialize else ''}")
+                                                       f"{'_ws' if cfg.warp_specialize else ''}"
+                                                       f"{'_persistent' if args.persistent else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:
                                 f.write(compiled.asm[ext])

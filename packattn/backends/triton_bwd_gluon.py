@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
-                                                gluon_fwd_supported, heads_per_section, ws_split)
+                                                gluon_fwd_supported, heads_per_section, ws_grid, ws_split)
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,14 @@ class GluonBwdConfig:
     # ready / empty mbarriers, no CTA barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
     # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8)
     warp_specialize: bool = False
+    # (warp-specialised dK/dV only) a grid of (ctas per SM) x (SMs) programs looping over the work items,
+    # the next item's K/V load overlapping this item's epilogue (`varlen_bwd_gluon_ws`, PERSISTENT)
+    persistent: bool = False
 
     def label(self) -> str:
         """The ``$PACKATTN_GLUON_DKDV_CONFIG`` string of this configuration (`parse_config` reads it back)."""
         return ",".join([str(self.block_m), str(self.block_n), str(self.stages), str(self.num_warps)]
-                        + (["ws"] if self.warp_specialize else []))
+                        + (["ws"] if self.warp_specialize else []) + (["persistent"] if self.persistent else []))
 
 
 # Every config here compiles for sm_90a without spills or ptxas warnings, with the overlap visible in
@@ -105,9 +108,9 @@ def parse_config(text: str) -> GluonBwdConfig:
     ``"64,128,4,8,ws"`` (dK/dV), ``"128,64,4,8,ws"`` (dQ); the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` /
     ``_DQ_CONFIG``."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "ws"):
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws]")
-    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) == 5)
+    if len(parts) not in (4, 5, 6) or parts[4:] not in ([], ["ws"], ["ws", "persistent"]):
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws[,persistent]]")
+    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) >= 5, persistent=len(parts) == 6)
 
 
 def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
@@ -233,9 +236,14 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
         res = dkdv_ws_resources(cfg, q.shape[-1])
         key_end = key_end if tree else tiles  # KeyEnd: any int32 pointer without the tree mask
         section = heads_per_section(q.shape[1], q.shape[1] // heads_kv) * heads_kv // q.shape[1]  # in kv heads
-        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, section, **blocks, TREE=tree,
-                                              CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-                                              num_warps=4, maxnreg=res["maxnreg"])
+        num_work = grid[0]
+        if cfg.persistent:
+            grid = (ws_grid(q.device, cfg, num_work, res),)
+        if num_work + grid[0] >= 2**30:  # the persistent kernel packs the item index into 30 bits
+            raise ValueError(f"too many dK/dV work items ({num_work})")
+        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, section, num_work, **blocks, TREE=tree,
+                                              PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
+                                              PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
         return
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
 

@@ -76,6 +76,26 @@ queries ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only
 change (`_query_range_of_tree_keys` instead of `_query_range_of_keys`); the tile table
 (`triton_tree.build_key_tiles`: the queries ``[k_start, max key_end)`` of the tile, the band where
 every pair is visible), the unmasked band, the tails and the schedule are the varlen ones.
+
+``PERSISTENT`` (a grid smaller than ``num_work = tiles x kv heads``, as the warp-specialised forward
+runs it): every partition walks the work items ``pid, pid + nprog, ...`` (`_dkdv_tile` with
+``num_work`` as the item count, so the head sections are the one-program-per-item ones) and skips
+the items with ``total == 0`` identically: no load, no barrier operation, the consumers just store
+zeros (``seq >= 0``). Ring steps are counted over all the items of the program (``step``), so the
+ring's slots and parities run on across items, and the producer fills an item's first ``STAGES``
+slots while the consumers finish the previous item. K / V get a release barrier, ``kv_empty``
+(count 2): each consumer arrives once the last wgmma of an item is done, and the producer waits for
+it (parity of its K / V loads so far, ``^ 1``) before the next item's K / V TMA, which it issues
+after that item's first ``STAGES`` steps. The epilogue then no longer stages through K / V: dK / dV
+go to global memory straight from the accumulators (`_store_rows_direct`), so the next item's K / V
+land during this item's epilogue. A consumer waits on ``kv_bar`` with the parity of the K / V tiles
+it consumed; neither barrier can run two phases ahead of its waiter (the producer loads K / V j + 1
+only after both consumers released K / V j, which they did after waiting for it). Registers: a
+persistent consumer keeps its item, its K / V parity and its tail parity in one state word
+(`ITEM_MASK`; hence ``num_work + grid < 2**30``), reads the grid size, ``num_work`` and the window
+arguments through opaque inline asm (`_opaque`), and consumer 0 zeroes both tails (Q and dO rows):
+otherwise LLVM hoists loop invariants of the item prologue / epilogue out of the persistent loop
+and the steps, at 238 of 240 registers, spill.
 """
 
 from triton.experimental import gluon
@@ -88,23 +108,43 @@ from packattn.kernels.varlen_fwd_gluon import _tile_row, _to_operand, _zero_v_ta
 from packattn.kernels.varlen_fwd_gluon_ws import _section_order
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
+# a persistent partition's state word (one register): bits 0..29 the work item, bit 30 the parity of the K / V
+# tiles loaded (producer) / consumed (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
+ITEM_MASK = gl.constexpr((1 << 30) - 1)
+KV_PHASE_BIT = gl.constexpr(1 << 30)
 
 
 @gluon.jit
-def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-               heads_per_section, BLOCK_M: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
-    """Decode this program's (key tile, kv head) (`_section_order`: sections of ``heads_per_section``
-    kv heads, heads fastest inside a section). Every partition calls it, so all agree on ``total``
-    (0 for an unused row, ``seq < 0``). ``OPAQUE_PID``: read the program id through inline asm that LLVM may not merge with an earlier
-    read, so that a second decode (the consumers' epilogue) recomputes everything instead of
-    keeping the first decode's values in registers across the main loop."""
-    if OPAQUE_PID:
-        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [num_heads_kv], dtype=gl.int32,
-                                        is_pure=False, pack=1)
-    else:
-        pid = gl.program_id(0)
-    # one program per work item, in `_section_order` (sections of ``heads_per_section`` kv heads)
-    tile, kv_head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_kv * heads_per_section)
+def _opaque_program_id(like):
+    """The program id, read through inline asm that LLVM may not merge with an earlier read (``like``:
+    any i32 scalar, the asm's dummy operand), so that a second decode (the consumers' epilogue)
+    recomputes everything instead of keeping the first decode's values in registers across the main
+    loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (an i32 scalar) copied through inline asm that LLVM can neither merge with ``x`` nor hoist
+    out of a loop: what is computed from the copy is computed where it is used instead of being kept
+    in a register across the steps (the persistent loop's `_opaque_program_id`)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque_num_programs(like):
+    """``gl.num_programs(0)`` read where it is used (inline asm LLVM may not hoist out of a loop)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_items, num_heads_kv,
+               group_size, heads_per_section, BLOCK_M: gl.constexpr):
+    """Decode work item ``w`` of ``num_items`` (key tile, kv head) (`_section_order`: sections of
+    ``heads_per_section`` kv heads, heads fastest inside a section; ``w`` the program id and
+    ``num_items`` the grid without ``PERSISTENT``). Every partition calls it, so all agree on
+    ``total`` (0 for an unused row, ``seq < 0``)."""
+    tile, kv_head = _section_order(w, heads_per_section, num_items // num_heads_kv * heads_per_section)
     seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
@@ -129,42 +169,106 @@ def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLO
 
 
 @gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM: gl.constexpr):
+    """TMA the tile's K and V (keys ``k_start ...`` of the sequence at row ``row0_kv``) onto ``kv_bar``."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+
+@gluon.jit
+def _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
+                   first_head, row0_q, len_q, m_lo, m_end, first, last, g, m_start, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Ring steps ``first .. last-1`` (counted over the program's work items), the first of them
+    query head ``g`` of the group, queries ``m_start ...``: each into slot ``it % STAGES`` once both
+    consumers released the step ``it - STAGES`` there: lse and delta of the step's queries
+    (cp.async, tracked by ``ready`` through ``cp.async.mbarrier.arrive``, which adds its own
+    pending arrival), then Q and dO (TMA, ``expect`` bytes on ``ready``). Returns ``(g, m_start)``
+    of step ``last`` (counters, no divisions)."""
+    for it in range(first, last):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, stats.index(slot), BLOCK_M)
+        async_copy.mbarrier_arrive(ready.index(slot))
+        bar = ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        col = (first_head + g) * HEAD_DIM
+        tma.async_copy_global_to_shared(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
+        m_start += BLOCK_M
+        if m_start == m_end:
+            m_start = m_lo
+            g += 1
+    return g, m_start
+
+
+@gluon.jit
+def _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start, m_lo,
+                  num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar,
+                  kv_empty, ready, empty, step, nkv, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """All loads of one work item with ``total > 0`` steps, its ring steps ``step .. step + total - 1``.
+    One work item per program: K / V, then the steps. ``PERSISTENT``: the first ``min(total,
+    STAGES)`` steps (they wait only for the previous item's last steps), then K / V once both
+    consumers released the previous item's K / V on ``kv_empty`` (``nkv``: parity of the K / V
+    loads before this one), then the other steps."""
+    if not PERSISTENT:
+        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
+    first_head = kv_head * group_size
+    row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
+    lse_row = Lse + row_off
+    delta_row = Delta + row_off
+    m_end = m_lo + num_m_blocks * BLOCK_M
+    g = m_lo * 0  # query head of the group and first query of the next step
+    m_start = m_lo
+    if PERSISTENT:
+        split = step + gl.minimum(total, STAGES)
+        g, m_start = _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row,
+                                    stride_lse_head, first_head, row0_q, len_q, m_lo, m_end, step, split, g, m_start,
+                                    HEAD_DIM, BLOCK_M, STAGES)
+        mbarrier.wait(kv_empty, (nkv & 1) ^ 1)  # both consumers' last wgmma on the previous K / V are done
+        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
+        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
+                       first_head, row0_q, len_q, m_lo, m_end, split, step + total, g, m_start, HEAD_DIM, BLOCK_M,
+                       STAGES)
+    else:
+        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
+                       first_head, row0_q, len_q, m_lo, m_end, step, step + total, g, m_start, HEAD_DIM, BLOCK_M,
+                       STAGES)
+
+
+@gluon.jit
 def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, k_smem, v_smem,
-                      q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """Load partition (one warp): K and V of the tile once, then for each of the ``total`` steps, into
-    ring slot ``it % STAGES`` once both consumers released the step ``it - STAGES`` there: lse and
-    delta of the step's queries (cp.async, tracked by ``ready`` through ``cp.async.mbarrier.arrive``,
-    which adds its own pending arrival), then Q and dO (TMA, ``expect`` bytes on ``ready``)."""
-    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   heads_per_section, BLOCK_M)
-    if total > 0:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
-        first_head = kv_head * group_size
-        row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
-        lse_row = Lse + row_off
-        delta_row = Delta + row_off
-        m_end = m_lo + num_m_blocks * BLOCK_M
-        g = m_lo * 0  # query head of the group and first query of step it (no divisions in the loop)
-        m_start = m_lo
-        for it in range(0, total):
-            slot = it % STAGES
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, stats.index(slot), BLOCK_M)
-            async_copy.mbarrier_arrive(ready.index(slot))
-            bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            col = (first_head + g) * HEAD_DIM
-            tma.async_copy_global_to_shared(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
-            m_start += BLOCK_M
-            if m_start == m_end:
-                m_start = m_lo
-                g += 1
+                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, num_work, k_smem,
+                      v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Load partition (one warp): `_produce_tile` for this program's work item, or with ``PERSISTENT``
+    for each of its work items ``pid, pid + nprog, ...`` (ring steps and K / V loads counted over
+    all of them, as the consumers count them). Items without steps load nothing."""
+    if PERSISTENT:
+        step = 0  # ring steps issued so far
+        state = _opaque_program_id(num_work)  # work item | parity of the K / V loads issued so far (`ITEM_MASK`)
+        while (state & ITEM_MASK) < num_work:
+            seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+                _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
+                           _opaque(num_work), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+            if total > 0:
+                _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head,
+                              k_start, m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs,
+                              do_bufs, stats, kv_bar, kv_empty, ready, empty, step, (state >> 30) & 1, HEAD_DIM,
+                              BLOCK_M, STAGES, True)
+                step += total
+                state = state ^ KV_PHASE_BIT
+            state += _opaque_num_programs(state)
+    else:
+        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
+                       gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+        if total > 0:
+            _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start,
+                          m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats,
+                          kv_bar, kv_empty, ready, empty, 0, 0, HEAD_DIM, BLOCK_M, STAGES, False)
 
 
 # ---------------------------------------------------------------- consumers
@@ -223,24 +327,50 @@ def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale
 
 
 @gluon.jit
+def _tail_phase(ntail, PERSISTENT: gl.constexpr):
+    """``zero_bar`` phase of the next tail step: the parity of ``ntail`` (tail steps so far), or with
+    ``PERSISTENT`` bit 31 of the consumer's state word (`ITEM_MASK`)."""
+    if PERSISTENT:
+        return (ntail >> 31) & 1
+    else:
+        return ntail & 1
+
+
+@gluon.jit
+def _count_tail(ntail, PERSISTENT: gl.constexpr):
+    """``ntail`` after one more tail step (`_tail_phase`)."""
+    if PERSISTENT:
+        return ntail ^ -2147483648  # flip bit 31
+    else:
+        return ntail + 1
+
+
+@gluon.jit
 def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready, empty, zero_bar,
                   m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
-    docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
+    docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight. ``PERSISTENT``: ``ntail`` is the
+    consumer's state word (`_tail_phase`), and consumer 0 zeroes both tails (Q and dO rows): a
+    tail address held by consumer 1 across the persistent loop would be one register too many."""
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     q_buf = q_bufs.index(slot)
     do_buf = do_bufs.index(slot)
     stat = stats.index(slot)
     if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
-        if WG == 0:
+        if PERSISTENT:
+            if WG == 0:
+                _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+                _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+        elif WG == 0:
             _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
         else:
             _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
         mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
-        ntail += 1
+        mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's part is zero too
+        ntail = _count_tail(ntail, PERSISTENT)
 
     s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_wg, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -262,70 +392,181 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
 
 
 @gluon.jit
-def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
-                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
-                      do_bufs, stats, kv_bar, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
-    """Consumer warp group ``WG`` (4 warps): keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV."""
-    s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
-    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
-    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   heads_per_section, BLOCK_M)
-    k_wg = k_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    v_wg = v_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
-    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
-    if total > 0:
-        offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
-        q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
-        cols = col_smem.index(WG)
-        cols.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
-        gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
-        m_end = m_lo + num_m_blocks * BLOCK_M
-        m_start = m_lo  # first query of step it (query heads x blocks, as the producer walks them)
-        ntail = m_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-        mbarrier.wait(kv_bar, 0)
-        for it in range(0, total):
-            dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
-                                          empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2,
-                                          s_layout, o_layout, WG, BLOCK_M, HEAD_DIM, STAGES)
-            m_start += BLOCK_M
-            if m_start == m_end:
-                m_start = m_lo
+def _fill_cols(cols, BLOCK_M: gl.constexpr):
+    """Write ``0 .. BLOCK_M-1`` to this consumer's query-position table (`_probs_t_ws`)."""
+    cols.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
+    gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
 
-    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+
+@gluon.jit
+def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q,
+                  len_kv, KeyEnd, qk_scale_log2, window_left, window_right, chunk_size, k_wg, v_wg, cols, q_bufs,
+                  do_bufs, stats, kv_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                  TREE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
+    K / V have landed (``kv_bar`` phase ``kv_phase``). Without ``PERSISTENT`` the query-position
+    table is filled here (the persistent loop fills it once); with it ``ntail`` is the consumer's
+    state word (`_dkdv_ws_step`). Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
+    offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
+    q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                               HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
+    if not PERSISTENT:
+        _fill_cols(cols, BLOCK_M)
+    m_end = m_lo + num_m_blocks * BLOCK_M
+    m_start = m_lo  # first query of step it (query heads x blocks, as the producer walks them)
+    mbarrier.wait(kv_bar, kv_phase)
+    for it in range(step, step + total):
+        dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
+                                      empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout,
+                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, PERSISTENT)
+        m_start += BLOCK_M
+        if m_start == m_end:
+            m_start = m_lo
+    return dk, dv, ntail
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, dK, dV, dk_stage, dv_stage, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
+                stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM: gl.constexpr):
+    """Store this consumer's rows ``first_key ...`` (those before ``len_kv``) of dV and ``dK * scale``,
+    staged through ``dv_stage`` / ``dk_stage`` (`varlen_bwd_gluon._store_tile`)."""
+    row0_kv64 = row0_kv.to(gl.int64)
+    _store_tile(dv, dv_stage, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key,
+                len_kv, stride_dv_row, WG_KEYS, HEAD_DIM, 4)
+    _store_tile(dk * scale, dk_stage, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head,
+                first_key, len_kv, stride_dk_row, WG_KEYS, HEAD_DIM, 4)
+
+
+@gluon.jit
+def _store_rows_direct(acc, base, first_row, end_row, stride_row, o_layout: gl.constexpr, ROWS: gl.constexpr,
+                       HEAD_DIM: gl.constexpr):
+    """Store rows ``first_row + i < end_row`` of ``acc`` (cast to ``base``'s dtype) to
+    ``base[row * stride_row + d]`` straight from the accumulator layout (pairs of adjacent columns
+    per thread, no shared memory: `varlen_fwd_gluon_ws._store_out_direct`)."""
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = base + rows.to(gl.int64)[:, None] * stride_row + cols[None, :]
+    gl.store(ptrs, acc.to(base.dtype.element_ty), mask=(rows < end_row)[:, None])
+
+
+@gluon.jit
+def _store_dkdv_direct(dk, dv, dK, dV, kv_head, first_key, len_kv, row0_kv, stride_dk_row, stride_dk_head,
+                       stride_dv_row, stride_dv_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """`_store_dkdv` straight from the accumulators (`_store_rows_direct`), ``dk`` already times ``scale``."""
+    row0_kv64 = row0_kv.to(gl.int64)
+    _store_rows_direct(dv, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key, len_kv,
+                       stride_dv_row, o_layout, WG_KEYS, HEAD_DIM)
+    _store_rows_direct(dk, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head, first_key,
+                       len_kv, stride_dk_row, o_layout, WG_KEYS, HEAD_DIM)
+
+
+@gluon.jit
+def _store_item(dk_scaled, dv, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                heads_per_section, num_work, o_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """Persistent epilogue: decode the work item of ``state`` again (from an opaque copy: nothing of the
+    first decode is kept across the steps) and store this consumer's rows of ``dK * scale``
+    (``dk_scaled``) and dV straight from registers. The strides pass through ``+ 16 * z`` with ``z``
+    an opaque 0: LLVM cannot hoist their 64-bit extensions out of the persistent loop (four registers
+    held across the steps), and Triton still sees multiples of 16 (vectorised stores)."""
+    w = _opaque(state) & ITEM_MASK
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_kv, group_size,
-                   heads_per_section, BLOCK_M, True)
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, _opaque(num_work),
+                   num_heads_kv, group_size, heads_per_section, BLOCK_M)
     first_key = k_start + WG * WG_KEYS
     if seq >= 0:
-        # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
-        # with total == 0 no TMA was issued into them)
-        row0_kv64 = row0_kv.to(gl.int64)
-        _store_tile(dv, v_wg, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key,
-                    len_kv, stride_dv_row, WG_KEYS, HEAD_DIM, 4)
-        _store_tile(dk * scale, k_wg, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head,
-                    first_key, len_kv, stride_dk_row, WG_KEYS, HEAD_DIM, 4)
+        z = (_opaque(w) - w) * 16
+        _store_dkdv_direct(dk_scaled, dv, dK, dV, kv_head, first_key, len_kv, row0_kv, stride_dk_row + z,
+                           stride_dk_head + z, stride_dv_row + z, stride_dv_head + z, o_layout, HEAD_DIM)
+
+
+@gluon.jit
+def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
+                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
+                      num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                      q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, WG: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                      HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV;
+    with ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state
+    word, ring steps counted over the items, K / V released on ``kv_empty`` after the item's last
+    step, dK / dV stored from registers)."""
+    s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
+    k_wg = k_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    v_wg = v_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    cols = col_smem.index(WG)
+    if PERSISTENT:
+        _fill_cols(cols, BLOCK_M)
+        step = 0  # ring steps consumed so far (all work items of this program)
+        state = _opaque_program_id(num_work)  # work item | K / V parity | tail parity (`ITEM_MASK`)
+        while (state & ITEM_MASK) < num_work:
+            seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+                _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
+                           _opaque(num_work), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+            zero = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+            if total > 0:
+                # (opaque window arguments: LLVM would hoist their sums with per-thread key offsets)
+                dk, dv, state = _consume_tile(step, (state >> 30) & 1, zero, zero, state, k_start, m_lo, m_mid_lo,
+                                              m_mid_hi, num_m_blocks, total, len_q, len_kv, KeyEnd, qk_scale_log2,
+                                              _opaque(window_left), _opaque(window_right), _opaque(chunk_size), k_wg,
+                                              v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar,
+                                              s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                                              HAS_CHUNK, TOP_LEFT, TREE, True)
+                mbarrier.arrive(kv_empty, count=1)  # last wgmma on K / V done: the next item's may load
+                step += total
+                state = state ^ KV_PHASE_BIT
+                _store_item(dk * scale, dv, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                            row_offsets_kv, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
+                            group_size, heads_per_section, num_work, o_layout, WG, HEAD_DIM, BLOCK_M)
+            else:  # no barrier operation: the producer loads nothing for this item
+                _store_item(zero, zero, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                            row_offsets_kv, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
+                            group_size, heads_per_section, num_work, o_layout, WG, HEAD_DIM, BLOCK_M)
+            state += _opaque_num_programs(state)
+    else:
+        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
+                       gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+        dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+        dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+        if total > 0:
+            dk, dv, ntail = _consume_tile(0, 0, dk, dv, m_lo * 0, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks,
+                                          total, len_q, len_kv, KeyEnd, qk_scale_log2, window_left, window_right,
+                                          chunk_size, k_wg, v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty,
+                                          zero_bar, s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, False)
+        # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                       _opaque_program_id(num_heads_kv), gl.num_programs(0), num_heads_kv, group_size,
+                       heads_per_section, BLOCK_M)
+        first_key = k_start + WG * WG_KEYS
+        if seq >= 0:
+            # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
+            # with total == 0 no TMA was issued into them)
+            _store_dkdv(dk, dv, dK, dV, k_wg, v_wg, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
+                        stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM)
 
 
 @gluon.jit
 def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                              stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
-                             v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar,
-                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                             heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty,
+                             zero_bar, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
+                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr, PERSISTENT: gl.constexpr):
     """The second consumer warp group (keys 64..127) as a worker partition."""
     _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
-                      do_bufs, stats, kv_bar, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                      HAS_CHUNK, TOP_LEFT, TREE)
+                      num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                      q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES,
+                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)
 
 
 # ---------------------------------------------------------------- kernel
@@ -335,16 +576,20 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
     num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
+    num_work,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_bwd_dkdv_gluon_kernel` (module docstring), same arguments plus ``KeyEnd``,
-    the register split and ``TREE``; launch with ``num_warps = 4`` and ``maxnreg`` as
-    `triton_bwd_gluon.dkdv_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks
-    ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``TREE``: the tree
-    mask (module docstring), ``KeyEnd`` int32 `Tree.row_subtree_end`; otherwise ``KeyEnd`` is unused
-    (any int32 pointer) and the ``HAS_*`` / ``TOP_LEFT`` mask applies."""
+    ``num_work``, the register split, ``TREE`` and ``PERSISTENT``; launch with ``num_warps = 4`` and
+    ``maxnreg`` as `triton_bwd_gluon.dkdv_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc``
+    blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``TREE``: the
+    tree mask (module docstring), ``KeyEnd`` int32 `Tree.row_subtree_end`; otherwise ``KeyEnd`` is
+    unused (any int32 pointer) and the ``HAS_*`` / ``TOP_LEFT`` mask applies. ``num_work = tiles.shape[0]
+    * num_heads_kv`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the
+    argument is then unused), spread over a smaller grid with it (module docstring)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert(BLOCK_N == 2 * WG_KEYS, "two consumer warp groups of 64 keys each")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
@@ -367,21 +612,27 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    if PERSISTENT:
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=2)  # both consumers are done with the item's K / V
+    else:  # one work item per program: K / V are loaded once (and stage the epilogue)
+        kv_empty = kv_bar  # (unused)
 
     gl.warp_specialize([
         (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                              stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem,
-                             v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0, HEAD_DIM,
-                             BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
+                             heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty,
+                             zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
+                             PERSISTENT)),
         (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                                     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                    group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
-                                    chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                                    zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                    TREE)),
+                                    group_size, heads_per_section, num_work, qk_scale_log2, scale, window_left,
+                                    window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats,
+                                    kv_bar, kv_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
+                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)),
         (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
                              row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                             heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM,
-                             BLOCK_M, STAGES)),
+                             heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
+                             ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
