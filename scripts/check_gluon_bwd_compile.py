@@ -61,8 +61,7 @@ INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_
 # a real launch gives these tt.divisibility = 16: 16-byte aligned tensors, (rows, heads, d) contiguous
 # strides (multiples of d), lse / delta rows a multiple of 16 (true of the workloads, not of every batch)
 ALIGNED = set(INT_POINTERS) | {"Lse", "Delta", "dK", "dV", "dQ", "stride_dk_row", "stride_dk_head", "stride_dv_row",
-                               "stride_dv_head", "stride_dq_row", "stride_dq_head", "stride_lse_head", "Out",
-                               "stride_o_row", "stride_o_head"}
+                               "stride_dv_head", "stride_dq_row", "stride_dq_head", "stride_lse_head"}
 
 
 def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
@@ -104,11 +103,11 @@ def _root_cause(e: BaseException) -> str:
 
 
 def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False,
-                    delta_from_o: bool = False, persistent: bool = False):
+                    persistent: bool = False):
     """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
-    the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``delta_from_o``: the
-    warp-specialised varlen dQ kernel computing delta itself (``DELTA_FROM_O``); ``persistent``: the
-    warp-specialised dK/dV kernel's persistent variant (``PERSISTENT``)."""
+    the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``persistent``: the
+    warp-specialised dK/dV kernel's persistent variant (``PERSISTENT``, always set: a constexpr left out
+    would be compiled as a runtime argument)."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
@@ -126,8 +125,6 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
         else:
             fn, res = varlen_bwd_dq_gluon_ws_kernel, tb.dq_ws_resources(cfg, head_dim)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        if fn is varlen_bwd_dq_gluon_ws_kernel:
-            constexprs.update(DELTA_FROM_O=delta_from_o)
         if fn is varlen_bwd_dkdv_gluon_ws_kernel:
             constexprs.update(PERSISTENT=persistent)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
@@ -139,7 +136,7 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
             signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
         elif name in ("k_desc", "v_desc"):
             signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
-        elif name in ("dK", "dV", "dQ", "Out"):
+        elif name in ("dK", "dV", "dQ"):
             signature[name] = "*" + dtype_name
         elif name in ("Lse", "Delta"):
             signature[name] = "*fp32"
@@ -209,8 +206,6 @@ def main() -> int:
                         help="block_m,block_n,stages,num_warps[,ws] instead of the launcher's table, e.g. 64,64,3,4 "
                              "or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws (warp-specialised dQ)")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
-    parser.add_argument("--delta-from-o", action="store_true",
-                        help="the warp-specialised dQ kernel with DELTA_FROM_O (delta computed in the kernel)")
     parser.add_argument("--tree", action="store_true",
                         help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
     parser.add_argument("--persistent", action="store_true",
@@ -229,7 +224,7 @@ def main() -> int:
                         continue
                     try:
                         cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config, args.tree,
-                                                                    args.delta_from_o, args.persistent)
+                                                        args.persistent)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"

@@ -317,7 +317,11 @@ ENV_HEAD_SECTION = "PACKATTN_GLUON_HEAD_SECTION"
 def heads_per_section(heads_q: int, group_size: int) -> int:
     """Query heads per section of the work order: `HEAD_SECTION` (or ``$PACKATTN_GLUON_HEAD_SECTION``)
     kv-head groups, clipped to all heads and rounded down to a divisor of the kv heads."""
-    groups = int(os.environ.get(ENV_HEAD_SECTION, "") or HEAD_SECTION)
+    text = os.environ.get(ENV_HEAD_SECTION, "").strip()
+    try:
+        groups = int(text) if text else HEAD_SECTION
+    except ValueError:
+        raise ValueError(f"{ENV_HEAD_SECTION}={text!r}: expected a number of kv-head groups (0: all heads)") from None
     heads_kv = heads_q // group_size
     if groups <= 0 or groups >= heads_kv:
         return heads_q
