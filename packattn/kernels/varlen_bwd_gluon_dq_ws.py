@@ -193,39 +193,38 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
 
 
 @gluon.jit
-def _dq_ws_blocks(j0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready,
-                  empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
+def _dq_ws_blocks(num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty,
+                  zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                   chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
-    """The ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` of one key range (fully visible band
-    ``[n_mid_lo, n_mid_hi)``) as ring steps ``j0 + b`` of one consumer warp group: with ``CARRY_DS``
-    (``STAGES >= 3``) dS crosses from block to block and the range's last dQ product is finished (and
-    its slot released) here, so no dS is carried out of the range. Returns ``(dq, ntail)``, no wgmma
-    in flight. The varlen kernel walks one range per tile (``j0 = 0``); the tree kernel
-    (`tree_dq_gluon_ws`) one per key interval of its tile."""
+                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
+    n_mid_hi)``) as ring steps ``b`` of one consumer warp group: with ``CARRY_DS`` (``STAGES >= 3``)
+    dS crosses from block to block and the last dQ product is finished (and its slot released) here.
+    Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel, `tree_dq_gluon_ws`, walks its
+    intervals with its own loop around `_dq_ws_step`.)"""
     CARRY_DS: gl.constexpr = STAGES >= 3
     if CARRY_DS:
-        dq, ds, ntail = _dq_ws_step(j0, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty,
+        dq, ds, ntail = _dq_ws_step(0, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
                                     zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                                     window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, True, False)
+                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False)
         for b in range(1, num_blocks):
-            dq, ds, ntail = _dq_ws_step(j0 + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
-                                        key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
+            dq, ds, ntail = _dq_ws_step(b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                                        None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, TREE, True, True)
-        last = (j0 + num_blocks - 1) % STAGES
+                                        TOP_LEFT, False, True, True)
+        last = (num_blocks - 1) % STAGES
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
     else:
         for b in range(0, num_blocks):
-            dq, ds, ntail = _dq_ws_step(j0 + b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
-                                        key_ends, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
+            dq, ds, ntail = _dq_ws_step(b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                                        None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, TREE, False, False)
+                                        TOP_LEFT, False, False, False)
     return dq, ntail
 
 
@@ -252,10 +251,10 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
         ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
         mbarrier.wait(q_bar, 0)
-        dq, ntail = _dq_ws_blocks(0, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None,
-                                  ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
+        dq, ntail = _dq_ws_blocks(num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready,
+                                  empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
                                   window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False)
+                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
 
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
