@@ -71,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _work_item
+from packattn.kernels.varlen_fwd_gluon_ws import _ring_barriers, _work_item
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -299,13 +299,9 @@ def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(zero_bar, count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = _ring_barriers(STAGES, 2)
     return q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty
 
 

@@ -105,7 +105,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
 from packattn.kernels.varlen_fwd_gluon import _tile_row, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _section_order
+from packattn.kernels.varlen_fwd_gluon_ws import _ring_barriers, _section_order
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # a persistent partition's state word (one register): bits 0..29 the work item, bit 30 the parity of the K / V
@@ -605,13 +605,9 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(zero_bar, count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = _ring_barriers(STAGES, 2)
     if PERSISTENT:
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=2)  # both consumers are done with the item's K / V

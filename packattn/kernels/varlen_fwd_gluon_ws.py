@@ -276,6 +276,19 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The ring's mbarriers of a warp-specialised kernel, initialised: ``ready[slot]`` (count 1: the
+    producer's expect + TMA) and ``empty[slot]`` (count ``CONSUMERS``: each consumer warp group
+    releases the slot)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
 def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HEAD_DIM: gl.constexpr):
     """Shared memory of the warp-specialised forward, barriers initialised: ``(q_smem, k_bufs, v_bufs,
@@ -286,13 +299,9 @@ def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
     return q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty
 
 
