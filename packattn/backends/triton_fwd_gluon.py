@@ -389,7 +389,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     res = ws_resources(cfg, head_dim)
     section = heads_per_section(heads_q, heads_q // heads_kv)
     varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
-        *args, num_work, section, q_tiles.shape[0] * section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+        *args, num_work, section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"],
     )

@@ -95,9 +95,8 @@ def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, 
     """`_work_item` of this program (one program per work item, in `_section_order`); ``OPAQUE_PID``:
     see `_program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
-    section_items = gl.num_programs(0) // num_heads_q * heads_per_section
     return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,
-                      heads_per_section, section_items, HEAD_DIM, BLOCK_N)
+                      heads_per_section, gl.num_programs(0), HEAD_DIM, BLOCK_N)
 
 
 # ---------------------------------------------------------------- producer

@@ -47,9 +47,10 @@ def _section_order(w, heads_per_section, section_items):
 
 @gluon.jit
 def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-               heads_per_section, section_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` (`_section_order`); ``seq < 0`` marks an unused tile-table row."""
-    tile, head = _section_order(w, heads_per_section, section_items)
+               heads_per_section, num_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Decode work item ``w`` of ``num_items = tiles x num_heads_q`` (`_section_order`); ``seq < 0``
+    marks an unused tile-table row."""
+    tile, head = _section_order(w, heads_per_section, num_items // num_heads_q * heads_per_section)
     seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
         tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     col_kv = (head // group_size) * HEAD_DIM
@@ -68,8 +69,8 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q,
-                 group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
-                 empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
+                 group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
     """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
     the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
@@ -78,7 +79,7 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-            heads_per_section, section_items, HEAD_DIM, BLOCK_N)
+            heads_per_section, num_work, HEAD_DIM, BLOCK_N)
         if seq >= 0:
             first = gl.minimum(num_blocks, Q_AFTER)
             for b in range(0, first):
@@ -225,10 +226,10 @@ def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
-                 empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
+                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
+                 WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                 TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -241,7 +242,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-            heads_per_section, section_items, HEAD_DIM, BLOCK_N)
+            heads_per_section, num_work, HEAD_DIM, BLOCK_N)
         if seq >= 0:
             q_wg_start = q_start + WG * 64
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
@@ -263,16 +264,15 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 @gluon.jit
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                        window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
-                        q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                        window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty,
+                        ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
                         TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
-                 empty, wg_bars, 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                 DIRECT_STORE, PINGPONG)
+                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
+                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
 
 
 @gluon.jit
@@ -311,7 +311,7 @@ def varlen_fwd_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_o_row, stride_o_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work,
-    heads_per_section, section_items,
+    heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -340,26 +340,26 @@ def varlen_fwd_gluon_ws_kernel(
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
-                            v_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
+                            q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
-                                   window_left, window_right, chunk_size, num_work, heads_per_section, section_items,
-                                   q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N,
-                                   STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                                   window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
+                                   v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
-                            q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
+                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, section_items, q_smem, k_bufs,
-                            v_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
+                            q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, section_items, q_smem, k_bufs, v_bufs,
-                            q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
+                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
         ], [1], [PRODUCER_REGS])
