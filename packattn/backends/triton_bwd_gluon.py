@@ -91,8 +91,8 @@ DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[6
 # W1 1.264 -> 1.088 ms, W2 2.393 -> 2.049, W4 3.005 -> 2.544 (1.15-1.18x); 43 nasty cases ok.
 # 128-query tiles, two consumer warp groups of 64 queries, (K, V) ring by a 1-warp producer. block_n 64
 # with >= 3 stages carries dS[j] into step j+1 (the non-specialised kernel's schedule); block_n 128
-# (2 stages: 192 KB at d = 128) finishes each block's dQ product in its step. (128, 64) configs keep the Triton dQ pass's blocks, so the triton
-# backend's dQ tile table fits them (`triton_varlen.use_gluon_dq`).
+# (2 stages: 192 KB at d = 128) finishes each block's dQ product in its step. (128, 64) configs keep the
+# Triton dQ pass's blocks, so the triton backend's dQ tile table fits them (`triton_varlen.use_gluon_dq`).
 DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True)],
                       128: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 64, 3, 8, True),
                             GluonBwdConfig(128, 128, 2, 8, True)]}

@@ -85,11 +85,12 @@ _FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct
 
 def parse_config(text: str) -> GluonConfig:
     """``"block_m,block_n,stages,num_warps[,flag...]"`` with flags ``ws`` (warp_specialize),
-    ``persistent`` and ``direct`` (direct_store), e.g. ``"128,128,3,8"``, ``"128,128,3,8,ws"``,
+    ``persistent``, ``direct`` (direct_store) and ``pingpong``, e.g. ``"128,128,3,8"``, ``"128,128,3,8,ws"``,
     ``"128,128,3,8,ws,persistent,direct"``; the format of ``$PACKATTN_GLUON_FWD_CONFIG``."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if len(parts) < 4:
-        raise ValueError(f"{ENV_CONFIG}={text!r}: expected block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]")
+        raise ValueError(f"{ENV_CONFIG}={text!r}: expected "
+                         "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]")
     flags = {}
     for flag in parts[4:]:
         if flag not in _FLAGS:
@@ -126,7 +127,8 @@ def ab_variants(head_dim: int) -> list[GluonConfig]:
     return list(dict.fromkeys(out))  # drop repeats, keep the order
 
 
-# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]" overrides CONFIGS (A/B runs); see parse_config
+# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]" overrides CONFIGS (A/B runs);
+# see parse_config
 ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 
 
@@ -389,7 +391,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     res = ws_resources(cfg, head_dim)
     section = heads_per_section(heads_q, heads_q // heads_kv)
     varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
-        *args, num_work, section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+        *args, num_work, section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"],
     )
