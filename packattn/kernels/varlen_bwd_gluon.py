@@ -63,7 +63,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_fwd_gluon import (_load_kv_block, _to_operand, _visible, _zero_v_tail,
+from packattn.kernels.varlen_fwd_gluon import (_load_kv_block, _tile_row, _to_operand, _visible, _zero_v_tail,
                                                mma_layout, row_store_layout)
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -277,18 +277,10 @@ def varlen_bwd_dkdv_gluon_kernel(
     pid = gl.program_id(0)
     tile = pid // num_heads_kv  # heads vary fastest: the longest tiles of every head start first
     kv_head = pid % num_heads_kv
-    seq = gl.load(tiles + tile * 6)
+    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
-    k_start = gl.load(tiles + tile * 6 + 1)
-    m_lo = gl.load(tiles + tile * 6 + 2)
-    m_mid_lo = gl.load(tiles + tile * 6 + 3)
-    m_mid_hi = gl.load(tiles + tile * 6 + 4)
-    m_hi = gl.load(tiles + tile * 6 + 5)
-    len_q = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
-    len_kv = gl.load(cu_seqlens_kv + seq + 1) - gl.load(cu_seqlens_kv + seq)
-    row0_q = gl.load(row_offsets_q + seq)
-    row0_kv = gl.load(row_offsets_kv + seq)
     num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
     total = group_size * num_m_blocks  # steps: query heads of the group x query blocks
     first_head = kv_head * group_size
@@ -432,18 +424,10 @@ def varlen_bwd_dq_gluon_kernel(
     pid = gl.program_id(0)
     tile = pid // num_heads_q
     head = pid % num_heads_q
-    seq = gl.load(tiles + tile * 6)
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
-    q_start = gl.load(tiles + tile * 6 + 1)
-    n_lo = gl.load(tiles + tile * 6 + 2)
-    n_mid_lo = gl.load(tiles + tile * 6 + 3)
-    n_mid_hi = gl.load(tiles + tile * 6 + 4)
-    n_hi = gl.load(tiles + tile * 6 + 5)
-    len_q = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
-    len_kv = gl.load(cu_seqlens_kv + seq + 1) - gl.load(cu_seqlens_kv + seq)
-    row0_q = gl.load(row_offsets_q + seq)
-    row0_kv = gl.load(row_offsets_kv + seq)
     col_kv = (head // group_size) * HEAD_DIM
     num_blocks = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
 

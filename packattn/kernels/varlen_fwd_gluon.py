@@ -345,18 +345,10 @@ def varlen_fwd_gluon_kernel(
     pid = gl.program_id(0)
     tile = pid // num_heads_q  # heads vary fastest: the longest tiles of every head start first
     head = pid % num_heads_q
-    seq = gl.load(tiles + tile * 6)
+    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
+        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     if seq < 0:
         return
-    q_start = gl.load(tiles + tile * 6 + 1)
-    n_lo = gl.load(tiles + tile * 6 + 2)
-    n_mid_lo = gl.load(tiles + tile * 6 + 3)
-    n_mid_hi = gl.load(tiles + tile * 6 + 4)
-    n_hi = gl.load(tiles + tile * 6 + 5)
-    len_q = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
-    len_kv = gl.load(cu_seqlens_kv + seq + 1) - gl.load(cu_seqlens_kv + seq)
-    row0_q = gl.load(row_offsets_q + seq)
-    row0_kv = gl.load(row_offsets_kv + seq)
     col_kv = (head // group_size) * HEAD_DIM
     num_blocks = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
 
