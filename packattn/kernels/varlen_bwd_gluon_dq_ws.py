@@ -71,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _ring_barriers, _work_item
+from packattn.kernels.varlen_fwd_gluon_ws import _opaque_program_id, _ring_barriers, _work_item
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -82,8 +82,7 @@ def _program_id(like, OPAQUE_PID: gl.constexpr):
     read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
     the tile row again instead of keeping the first decode's scalars in registers across the main loop."""
     if OPAQUE_PID:
-        pid = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False,
-                                        pack=1)
+        pid = _opaque_program_id(like)
     else:
         pid = gl.program_id(0)
     return pid

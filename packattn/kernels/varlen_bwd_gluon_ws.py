@@ -8,7 +8,9 @@ BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
 ``[mid_lo, mid_hi)``; Q / dO rows past ``len_q`` zeroed in shared memory before a wgmma reads them;
 dK (times ``scale``) and dV stored for rows inside the sequence only; no atomics (deterministic);
 keys no query sees get dK = dV = 0. Selected by ``GluonBwdConfig.warp_specialize``
-(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.backends.triton_bwd_gluon`.
+(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.backends.triton_bwd_gluon`. This module
+holds the consumers and the kernel; the work-item decode and the producer partition are in
+`packattn.kernels.varlen_bwd_gluon_ws_load`.
 
 Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
 worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
@@ -100,177 +102,14 @@ and the steps, at 238 of 240 registers, spill.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
-from packattn.kernels.varlen_fwd_gluon import _tile_row, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _ring_barriers, _section_order
+from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK, KV_PHASE_BIT, _dkdv_tile, _dkdv_ws_producer
+from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
+from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
-# a persistent partition's state word (one register): bits 0..29 the work item, bit 30 the parity of the K / V
-# tiles loaded (producer) / consumed (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
-ITEM_MASK = gl.constexpr((1 << 30) - 1)
-KV_PHASE_BIT = gl.constexpr(1 << 30)
-
-
-@gluon.jit
-def _opaque_program_id(like):
-    """The program id, read through inline asm that LLVM may not merge with an earlier read (``like``:
-    any i32 scalar, the asm's dummy operand), so that a second decode (the consumers' epilogue)
-    recomputes everything instead of keeping the first decode's values in registers across the main
-    loop."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _opaque(x):
-    """``x`` (an i32 scalar) copied through inline asm that LLVM can neither merge with ``x`` nor hoist
-    out of a loop: what is computed from the copy is computed where it is used instead of being kept
-    in a register across the steps (the persistent loop's `_opaque_program_id`)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _opaque_num_programs(like):
-    """``gl.num_programs(0)`` read where it is used (inline asm LLVM may not hoist out of a loop)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_items, num_heads_kv,
-               group_size, heads_per_section, BLOCK_M: gl.constexpr):
-    """Decode work item ``w`` of ``num_items`` (key tile, kv head) (`_section_order`: sections of
-    ``heads_per_section`` kv heads, heads fastest inside a section; ``w`` the program id and
-    ``num_items`` the grid without ``PERSISTENT``). Every partition calls it, so all agree on
-    ``total`` (0 for an unused row, ``seq < 0``)."""
-    tile, kv_head = _section_order(w, heads_per_section, num_items // num_heads_kv * heads_per_section)
-    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
-        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
-    total = gl.where(seq >= 0, group_size * num_m_blocks, 0)
-    return (seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q,
-            row0_kv)
-
-
-# ---------------------------------------------------------------- producer
-@gluon.jit
-def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLOCK_M: gl.constexpr):
-    """cp.async ``lse`` (``buf[:BLOCK_M]``) and ``delta`` (``buf[BLOCK_M:]``) of query head ``g`` of the
-    group, queries ``m_start ...`` (``lse_row`` / ``delta_row``: the group's first head, the sequence's
-    first row); positions past ``len_q`` are not read and land as 0 (harmless: their Q and dO rows
-    are zeroed before any product, see `_dkdv_ws_step`)."""
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the producer's one warp
-    off = g.to(gl.int64) * stride_lse_head + m_start
-    offs = gl.arange(0, BLOCK_M, layout=layout)
-    ok = offs < len_q - m_start
-    async_copy.async_copy_global_to_shared(buf.slice(0, BLOCK_M), lse_row + off + offs, mask=ok)
-    async_copy.async_copy_global_to_shared(buf.slice(BLOCK_M, BLOCK_M), delta_row + off + offs, mask=ok)
-
-
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM: gl.constexpr):
-    """TMA the tile's K and V (keys ``k_start ...`` of the sequence at row ``row0_kv``) onto ``kv_bar``."""
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
-
-
-@gluon.jit
-def _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
-                   first_head, row0_q, len_q, m_lo, m_end, first, last, g, m_start, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Ring steps ``first .. last-1`` (counted over the program's work items), the first of them
-    query head ``g`` of the group, queries ``m_start ...``: each into slot ``it % STAGES`` once both
-    consumers released the step ``it - STAGES`` there: lse and delta of the step's queries
-    (cp.async, tracked by ``ready`` through ``cp.async.mbarrier.arrive``, which adds its own
-    pending arrival), then Q and dO (TMA, ``expect`` bytes on ``ready``). Returns ``(g, m_start)``
-    of step ``last`` (counters, no divisions)."""
-    for it in range(first, last):
-        slot = it % STAGES
-        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-        _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, stats.index(slot), BLOCK_M)
-        async_copy.mbarrier_arrive(ready.index(slot))
-        bar = ready.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        col = (first_head + g) * HEAD_DIM
-        tma.async_copy_global_to_shared(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
-        m_start += BLOCK_M
-        if m_start == m_end:
-            m_start = m_lo
-            g += 1
-    return g, m_start
-
-
-@gluon.jit
-def _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start, m_lo,
-                  num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar,
-                  kv_empty, ready, empty, step, nkv, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """All loads of one work item with ``total > 0`` steps, its ring steps ``step .. step + total - 1``.
-    One work item per program: K / V, then the steps. ``PERSISTENT``: the first ``min(total,
-    STAGES)`` steps (they wait only for the previous item's last steps), then K / V once both
-    consumers released the previous item's K / V on ``kv_empty`` (``nkv``: parity of the K / V
-    loads before this one), then the other steps."""
-    if not PERSISTENT:
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
-    first_head = kv_head * group_size
-    row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
-    lse_row = Lse + row_off
-    delta_row = Delta + row_off
-    m_end = m_lo + num_m_blocks * BLOCK_M
-    g = m_lo * 0  # query head of the group and first query of the next step
-    m_start = m_lo
-    if PERSISTENT:
-        split = step + gl.minimum(total, STAGES)
-        g, m_start = _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row,
-                                    stride_lse_head, first_head, row0_q, len_q, m_lo, m_end, step, split, g, m_start,
-                                    HEAD_DIM, BLOCK_M, STAGES)
-        mbarrier.wait(kv_empty, (nkv & 1) ^ 1)  # both consumers' last wgmma on the previous K / V are done
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
-        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
-                       first_head, row0_q, len_q, m_lo, m_end, split, step + total, g, m_start, HEAD_DIM, BLOCK_M,
-                       STAGES)
-    else:
-        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
-                       first_head, row0_q, len_q, m_lo, m_end, step, step + total, g, m_start, HEAD_DIM, BLOCK_M,
-                       STAGES)
-
-
-@gluon.jit
-def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, num_work, k_smem,
-                      v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Load partition (one warp): `_produce_tile` for this program's work item, or with ``PERSISTENT``
-    for each of its work items ``pid, pid + nprog, ...`` (ring steps and K / V loads counted over
-    all of them, as the consumers count them). Items without steps load nothing."""
-    if PERSISTENT:
-        step = 0  # ring steps issued so far
-        state = _opaque_program_id(num_work)  # work item | parity of the K / V loads issued so far (`ITEM_MASK`)
-        while (state & ITEM_MASK) < num_work:
-            seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-                _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
-                           _opaque(num_work), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-            if total > 0:
-                _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head,
-                              k_start, m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs,
-                              do_bufs, stats, kv_bar, kv_empty, ready, empty, step, (state >> 30) & 1, HEAD_DIM,
-                              BLOCK_M, STAGES, True)
-                step += total
-                state = state ^ KV_PHASE_BIT
-            state += _opaque_num_programs(state)
-    else:
-        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
-                       gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-        if total > 0:
-            _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start,
-                          m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats,
-                          kv_bar, kv_empty, ready, empty, 0, 0, HEAD_DIM, BLOCK_M, STAGES, False)
-
-
 # ---------------------------------------------------------------- consumers
 @gluon.jit
 def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,

@@ -33,6 +33,29 @@ from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _load_kv_block, _
 
 
 @gluon.jit
+def _opaque_program_id(like):
+    """The program id, read through inline asm that LLVM may not merge with an earlier read (``like``:
+    any i32 scalar, the asm's dummy operand), so that a second decode (the consumers' epilogue)
+    recomputes everything instead of keeping the first decode's values in registers across the main
+    loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (an i32 scalar) copied through inline asm that LLVM can neither merge with ``x`` nor hoist
+    out of a loop: what is computed from the copy is computed where it is used instead of being kept
+    in a register across the steps (the persistent loop's `_opaque_program_id`)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque_num_programs(like):
+    """``gl.num_programs(0)`` read where it is used (inline asm LLVM may not hoist out of a loop)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _section_order(w, heads_per_section, section_items):
     """``(tile, head)`` of work item ``w``: the heads are cut into sections of ``heads_per_section``
     (``section_items = tiles x heads_per_section`` items each), taken one after the other; inside a
