@@ -52,25 +52,6 @@ def _dense_descriptor(batch: int, seqlen_q: int, seqlen_kv: int, device: torch.d
     return Varlen.uniform(batch, seqlen_q, seqlen_kv, device)
 
 
-_CAUSAL, _FULL = Mask.make(True), Mask.make(False)
-
-
-def _make_mask(causal, window, chunk_size) -> Mask:
-    """`Mask.make`, with the two plain masks (causal or not, no window or chunk) shared: Mask is frozen."""
-    if window is None and chunk_size is None:
-        if causal is True:
-            return _CAUSAL
-        if causal is False or causal is None:
-            return _FULL
-    return Mask.make(causal, window, chunk_size)
-
-
-# `dispatch.Params` per distinct field values: building the frozen 16-field dataclass costs ~5 us of host
-# time, and dispatch's cache finds an identical object faster (eager calls; bounded like dispatch's cache)
-_params_cache: dict = {}
-_PARAMS_CACHE_SIZE = 256
-
-
 def _as_tree(seqs):
     """``seqs`` when it is a `packattn.Tree`, else None (the tree package is imported lazily)."""
     if seqs is None or isinstance(seqs, Varlen):
@@ -118,7 +99,7 @@ def attention(
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
     _check_tensors(q, k, v, layout)
-    mask = _make_mask(causal, window, chunk_size)
+    mask = Mask.make(causal, window, chunk_size)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -170,25 +151,14 @@ def attention(
         host_lengths = seqs.lengths_q is not None
         max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
         max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)
-    device_type, dtype, heads_q, heads_kv, head_dim, head_dim_v = (
-        q.device.type, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
     return_lse, deterministic = bool(return_lse), bool(deterministic)
-    requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fields = (device_type, dtype, heads_q, heads_kv, head_dim, head_dim_v, kind, pad_between_seqs, is_self,
-              host_lengths, max_seqlen_q, max_seqlen_kv, mask, return_lse, deterministic, requires_grad)
-    compiling = torch.compiler.is_compiling()
-    params = None if compiling else _params_cache.get(fields)
-    if params is None:
-        params = dispatch.Params(
-            device_type=device_type, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-            head_dim_v=head_dim_v, kind=kind, pad_between_seqs=pad_between_seqs, is_self=is_self,
-            host_lengths=host_lengths, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask=mask,
-            return_lse=return_lse, deterministic=deterministic, requires_grad=requires_grad,
-        )
-        if not compiling:
-            if len(_params_cache) >= _PARAMS_CACHE_SIZE:
-                _params_cache.clear()
-            _params_cache[fields] = params
+    params = dispatch.Params(
+        device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[-2], heads_kv=k.shape[-2], head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1], kind=kind, pad_between_seqs=pad_between_seqs, is_self=is_self,
+        host_lengths=host_lengths, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask=mask,
+        return_lse=return_lse, deterministic=deterministic,
+        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+    )
     chosen = dispatch.select(params, backend)
     problem = Problem(qt, kt, vt, seqs, mask, float(scale), return_lse, deterministic, dense)
     out, lse = chosen.run(problem)

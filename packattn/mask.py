@@ -48,7 +48,11 @@ class Mask:
 
     @classmethod
     def make(cls, causal=False, window=None, chunk_size=None) -> Mask:
-        """Validate the user's options and build a canonical Mask."""
+        """Validate the user's options and build a canonical Mask. The two plain masks (causal or not,
+        no window, no chunks: most calls) are built once and shared (a Mask is frozen)."""
+        plain = window is None and chunk_size is None and (causal is True or causal is False or causal is None)
+        if plain and cls is Mask:
+            return _PLAIN[causal is True]
         if causal is True or causal == "bottom_right":
             is_causal, align = True, "bottom_right"
         elif causal == "top_left":
@@ -98,6 +102,9 @@ class Mask:
         if self.chunk_size is not None:
             parts.append(f"chunk={self.chunk_size}")
         return "+".join(parts) or "full"
+
+
+_PLAIN = {True: Mask(causal=True), False: Mask()}  # the plain masks `Mask.make` shares
 
 
 def offset(mask: Mask, len_q, len_kv):
