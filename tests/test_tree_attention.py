@@ -127,6 +127,19 @@ def test_sibling_order_does_not_change_per_sequence_results(backend):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
 
 
+def test_tree_backward_refuses_a_dkdv_pass_changed_after_the_forward(monkeypatch):
+    """As for varlen: the tree's dK/dV key tiles were built for the forward's `dkdv_choice`."""
+    from packattn.backends import triton_varlen
+
+    tree = Tree.from_sequences(grpo(1, 2, 9, 5), device=DEVICE)
+    q, k, v = inputs(tree)
+    out = packattn.attention(q, k, v, tree, backend="triton_tree")
+    block_n, block_m, gluon = triton_varlen.dkdv_choice(q, k, v)
+    monkeypatch.setattr(triton_varlen, "dkdv_choice", lambda *a: (block_n, 2 * block_m, not gluon))
+    with pytest.raises(RuntimeError, match="changed between forward and backward"):
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+
 def test_tree_rejects_foreign_mask_options():
     tree = Tree.from_sequences([[1, 2], [1, 3]], device=DEVICE)
     q, k, v = inputs(tree)

@@ -228,6 +228,20 @@ def test_deterministic_backward_matches_brute_force(opts):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
 
 
+def test_backward_refuses_a_dkdv_pass_changed_after_the_forward(monkeypatch):
+    """The forward builds dK/dV key tiles for one pass (`dkdv_choice`); a backward that would run
+    another (the environment switches changed in between) stops with a clear error."""
+    seqs, q, k, v, dout = make_inputs([37, 5], heads=(2, 1))
+    out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)
+    block_n, block_m, gluon = triton_varlen.dkdv_choice(q, k, v)
+    monkeypatch.setattr(triton_varlen, "dkdv_choice", lambda *a: (2 * block_n, block_m, not gluon))
+    with pytest.raises(RuntimeError, match="changed between forward and backward"):
+        torch.autograd.grad(out, (q, k, v), dout)
+    monkeypatch.undo()
+    out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)
+    assert all(g is not None for g in torch.autograd.grad(out, (q, k, v), dout))
+
+
 def test_gradient_through_lse():
     seqs, q, k, v, dout = make_inputs([37, 0, 20], [10, 5, 30])
     opts = {"causal": True}

@@ -30,7 +30,7 @@ from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported
 from packattn.backends.triton_varlen import (
     TritonVarlenBackend, kernel_limits, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta,
-    launch_config, launch_dkdv, unmasked_band,
+    check_dkdv_choice, dkdv_choice, launch_config, launch_dkdv, unmasked_band,
 )
 from packattn.mask import Mask
 from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
@@ -210,6 +210,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0)
     ctx.scale = scale
+    ctx.dkdv_choice = dkdv_choice(q, k, v)  # what dkdv_tiles was built for (checked in the backward)
     ctx.set_materialize_grads(False)
 
 
@@ -219,6 +220,7 @@ def _backward_through(bwd):
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0 = ctx.saved_tensors
+        check_dkdv_choice(ctx.dkdv_choice, q, k, v)
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, key_end, dq_tiles, dq_intervals, dkdv_tiles, cu_rows, row0,

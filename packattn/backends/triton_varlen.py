@@ -325,10 +325,31 @@ def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """``(keys per tile, queries per step)`` of the dK/dV pass `varlen_bwd` runs on these tensors: the
     arguments of its key tile table, ``tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))``."""
+    return dkdv_choice(q, k, v)[:2]
+
+
+def dkdv_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, bool]:
+    """`dkdv_blocks` and whether the Gluon pass runs (`use_gluon_dkdv`)."""
     cfg = _gluon_dkdv_config(q, _gluon_bwd_possible(q, k, v))
-    if cfg is None:
+    gluon = cfg is not None
+    if not gluon:
         cfg = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
-    return cfg.block_n, cfg.block_m
+    return cfg.block_n, cfg.block_m, gluon
+
+
+def check_dkdv_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+    """Raise when the backward would run another dK/dV pass than the one whose key tiles the forward
+    built (``forward_choice``: `dkdv_choice` then): the environment switches changed in between."""
+    now = dkdv_choice(q, k, v)
+    if now != forward_choice:
+        def say(choice):
+            return f"{'Gluon' if choice[2] else 'Triton'} dK/dV with {choice[0]} keys x {choice[1]} queries"
+
+        raise RuntimeError(
+            f"the dK/dV pass changed between forward and backward ({say(forward_choice)} -> {say(now)}): "
+            "PACKATTN_TRITON_BWD or PACKATTN_GLUON_DKDV_CONFIG was changed after the forward; set them "
+            "before the forward")
 
 
 # The two backward decisions share their first test; `_varlen_bwd` makes it once per call and hands the
@@ -485,6 +506,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv)
     window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
     ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
+    ctx.dkdv_choice = dkdv_choice(q, k, v)  # what dkdv_tiles was built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
@@ -495,6 +517,7 @@ def _backward_through(bwd):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = \
             ctx.saved_tensors
+        check_dkdv_choice(ctx.dkdv_choice, q, k, v)
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
