@@ -44,6 +44,17 @@ def test_bench_cp_needs_torchrun(capsys, monkeypatch):
     assert "torchrun" in capsys.readouterr().out
 
 
+def test_cp_accuracy_check_allows_twice_the_single_gpu_error():
+    from packattn.bench.cp import GRADS, _accuracy_word, check_against_fp32
+
+    single = {n: 1e-3 for n in GRADS}
+    assert check_against_fp32({n: 2e-3 for n in GRADS}, single)
+    assert not check_against_fp32(dict({n: 1e-3 for n in GRADS}, dk=2.2e-3), single)
+    row = {"accuracy_ok": True, "errors_vs_fp32": dict(single, dq=1.5e-3), "single_errors_vs_fp32": single}
+    assert _accuracy_word(row) == "OK (1.50x one GPU)"
+    assert _accuracy_word({}) == "unchecked"
+
+
 def test_exposed_communication_counts_only_uncovered_nccl_time():
     from packattn.bench.cp import exposed_communication
 

@@ -4,8 +4,9 @@
 
 32768 tokens per GPU of ``doc_lengths(32768 * world, seed=0)``, heads 32/8, head_dim 128, causal,
 bf16. For every (strategy, balance): the result against one GPU on the same global inputs (rank 0
-computes it: relative L2 errors of out, lse, dq, dk, dv), the slowest rank's forward and
-forward+backward time, attention-only TF/s per GPU = useful FLOPs / (time x world), parallel
+computes it: relative L2 errors of out, lse, dq, dk, dv; and against one GPU in float32, passing
+when the CP error is at most 2x the bf16 single-GPU error plus 1e-4, `check_against_fp32`), the
+slowest rank's forward and forward+backward time, attention-only TF/s per GPU = useful FLOPs / (time x world), parallel
 efficiency = that / the same backend's single-GPU TF/s on W2, the communication time and the part
 of it not hidden behind computation (from a profiler trace of one forward+backward on rank 0: NCCL
 kernel time, and NCCL kernel time during which no other kernel ran), and peak memory.
@@ -141,8 +142,7 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
     single = _single_gpu_w2(backend) if rank == 0 else (0.0, 0.0)
     ref = None
     if check and rank == 0:
-        out, lse = packattn.attention(q, k, v, seqs, causal=True, backend=backend, return_lse=True)
-        ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+        ref = _references(q, k, v, seqs, dout, backend)
     flops = w.fwd_flops()
     rows = []
     for strategy in strategies or STRATEGIES:
@@ -170,6 +170,30 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
     return 0
 
 
+GRADS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _one_gpu(q, k, v, seqs, dout, backend: str) -> list[torch.Tensor]:
+    out, lse = packattn.attention(q, k, v, seqs, causal=True, backend=backend, return_lse=True)
+    return [out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _references(q, k, v, seqs, dout, backend: str) -> dict:
+    """One GPU on the global inputs: in bf16 (``"bf16"``) and, from the same inputs upcast, in
+    float32 (``"fp32"``), with the bf16 result's relative L2 errors against the float32 one
+    (``"single_errors"``): the yardstick of the acceptance test (`check_against_fp32`)."""
+    bf16 = _one_gpu(q, k, v, seqs, dout, backend)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    fp32 = _one_gpu(*leaves, seqs, dout.float(), backend)
+    return {"bf16": bf16, "fp32": fp32, "single_errors": {n: _rel_l2(a, b) for n, a, b in zip(GRADS, bf16, fp32)}}
+
+
+def check_against_fp32(cp_errors: dict, single_errors: dict, atol: float = 1e-4) -> bool:
+    """The CP result is as accurate as one GPU in the same dtype: for out, lse, dq, dk and dv, its
+    relative L2 error against the float32 result is at most twice the single-GPU error plus ``atol``."""
+    return all(cp_errors[n] <= 2 * single_errors[n] + atol for n in GRADS)
+
+
 def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check,
                   options: dict) -> dict:
     """One row; ``options``: more keywords of ``cp.attention`` (``overlap_groups``)."""
@@ -194,7 +218,11 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
             grads = torch.autograd.grad(out_l, (ql, kl, vl), dl)
             got = [p.unshard(out_l.detach()), p.unshard(lse_l.detach().t().contiguous()).t()] + [p.unshard(g) for g in grads]
             if rank == 0 and ref is not None:
-                row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
+                row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(GRADS, got, ref["bf16"])}
+                fp32_errors = {n: _rel_l2(a, b) for n, a, b in zip(GRADS, got, ref["fp32"])}
+                row["errors_vs_fp32"] = {n: round(e, 8) for n, e in fp32_errors.items()}
+                row["single_errors_vs_fp32"] = {n: round(e, 8) for n, e in ref["single_errors"].items()}
+                row["accuracy_ok"] = check_against_fp32(fp32_errors, ref["single_errors"])
             row["deterministic_bitwise"] = _bitwise_repeatable(ql, kl, vl, dl, p, backend, options)
         fwd_ms, fwdbwd_ms = _timed(lambda: fwd()), _timed(fwdbwd)
         comm, exposed = exposed_communication(_profile_kernels(fwdbwd))
@@ -232,7 +260,15 @@ def _format_row(row: dict) -> str:
             f"fwd+bwd {row['fwdbwd_ms']:7.3f} ms {row['fwdbwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwdbwd', 0):.2f} | "
             f"comm {row['comm_ms_fwdbwd']:.3f} ms, exposed {row['exposed_comm_ms_fwdbwd']:.3f} ms | "
             f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e} | "
+            f"vs fp32 {_accuracy_word(row)} | "
             f"deterministic {'bitwise' if row.get('deterministic_bitwise') else 'DIFFERS'}")
+
+
+def _accuracy_word(row: dict) -> str:
+    if "accuracy_ok" not in row:
+        return "unchecked"
+    worst = max(row["errors_vs_fp32"][n] / max(row["single_errors_vs_fp32"][n], 1e-30) for n in GRADS)
+    return f"{'OK' if row['accuracy_ok'] else 'FAIL'} ({worst:.2f}x one GPU)"
 
 
 def plot_scaling(json_paths: list[str], png: str) -> None:
