@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--overlap-groups", nargs="*", type=int, metavar="G",
                        help="--cp: run strategy allgather once per G kv-head groups (cp.attention's overlap_groups; "
                        "default: its default)")
+    bench.add_argument("--cp-docs", choices=("w10", "one"), default="w10",
+                       help="--cp: W10's documents, or one document of all its tokens (every strategy communicates)")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         from packattn.bench.cp import run_cp_bench
 
         return run_cp_bench(args.strategies, args.balances, args.backend, args.json, check=not args.no_check,
-                            overlap_groups=args.overlap_groups)
+                            overlap_groups=args.overlap_groups, docs=args.cp_docs)
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 

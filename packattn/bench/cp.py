@@ -10,6 +10,8 @@ slowest rank's forward and forward+backward time, attention-only TF/s per GPU = 
 efficiency = that / the same backend's single-GPU TF/s on W2, the communication time and the part
 of it not hidden behind computation (from a profiler trace of one forward+backward on rank 0: NCCL
 kernel time, and NCCL kernel time during which no other kernel ran), and peak memory.
+``--cp-docs one``: the same tokens as one document (W10one; efficiency against one GPU on one
+document of 32768 tokens), so that every strategy communicates.
 ``--overlap-groups 1 2 4`` runs strategy allgather once per number of kv-head groups whose
 communication overlaps compute (``cp.attention(..., overlap_groups=G)``; rows ``allgather:BALANCE:GG``).
 """
@@ -32,9 +34,19 @@ BALANCES = ("zigzag", "documents")
 TOKENS_PER_GPU = 32768
 
 
-def w10(world: int) -> Workload:
+def w10(world: int, docs: str = "w10") -> Workload:
+    """W10 (``docs="w10"``), or ``"one"``: the same tokens as one causal document (every strategy has to
+    cut it across ranks and communicate)."""
+    if docs == "one":
+        return Workload("W10one", [TOKENS_PER_GPU * world], heads_q=32, heads_kv=8, options={"causal": True})
     return Workload("W10", doc_lengths(TOKENS_PER_GPU * world, seed=0), heads_q=32, heads_kv=8,
                     options={"causal": True})
+
+
+def single_gpu_lengths(docs: str) -> list[int]:
+    """The one-GPU problem of the efficiency's denominator: W2 for W10, one document of
+    `TOKENS_PER_GPU` for ``"one"``."""
+    return [TOKENS_PER_GPU] if docs == "one" else doc_lengths(TOKENS_PER_GPU, seed=0)
 
 
 def _timed(fn, reps: int = 20) -> float:
@@ -85,6 +97,8 @@ def _profile_kernels(fn) -> list[tuple[str, float, float]]:
 
     fn()
     torch.cuda.synchronize()
+    dist.barrier()  # ranks enter together: NCCL kernels waiting for a late peer would count as communication
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -111,10 +125,10 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[finite] - b[finite]).norm() / b[finite].norm().clamp_min(1e-30))
 
 
-def _single_gpu_w2(backend: str) -> tuple[float, float]:
+def _single_gpu(backend: str, docs: str) -> tuple[float, float]:
     import triton.testing
 
-    w = Workload("W2", doc_lengths(TOKENS_PER_GPU, seed=0), heads_q=32, heads_kv=8, options={"causal": True})
+    w = Workload("W2", single_gpu_lengths(docs), heads_q=32, heads_kv=8, options={"causal": True})
     seqs, q, k, v = w.make_inputs("cuda", torch.bfloat16)
     dout = torch.randn_like(q)
 
@@ -128,7 +142,7 @@ def _single_gpu_w2(backend: str) -> tuple[float, float]:
 
 
 def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_path: str | None = None,
-                 check: bool = True, overlap_groups: list[int] | None = None) -> int:
+                 check: bool = True, overlap_groups: list[int] | None = None, docs: str = "w10") -> int:
     if "RANK" not in os.environ:
         print("packattn bench --cp runs under torchrun, e.g.\n"
               "  torchrun --nproc_per_node 2 -m packattn.cli bench --cp --json W10.json")
@@ -136,13 +150,13 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    w = w10(world)
+    w = w10(world, docs)
     seqs, q, k, v = w.make_inputs("cuda", torch.bfloat16, seed=0)  # the same global inputs on every rank
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(1))
-    single = _single_gpu_w2(backend) if rank == 0 else (0.0, 0.0)
+    single = _single_gpu(backend, docs) if rank == 0 else (0.0, 0.0)
     ref = None
     if check and rank == 0:
-        ref = _references(q, k, v, seqs, dout, backend)
+        ref = _references(q, k, v, seqs, dout, backend, fp32=docs == "w10")
     flops = w.fwd_flops()
     rows = []
     for strategy in strategies or STRATEGIES:
@@ -150,17 +164,18 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
         for balance in balances or BALANCES:
             for groups in (overlap_groups or [None]) if strategy == "allgather" else [None]:
                 options = {} if groups is None else {"overlap_groups": groups}
-                rows.append(_run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend,
-                                          check, options))
+                rows.append(_run_strategy(w.name, strategy, balance, group, seqs, q, k, v, dout, ref, flops, single,
+                                          backend, check, options))
                 if rank == 0:
                     print(_format_row(rows[-1]), flush=True)
     if rank == 0:
         env = {"gpu": torch.cuda.get_device_name(), "world": world, "torch": torch.__version__,
                "triton": __import__("triton").__version__, "packattn": packattn.__version__,
                "date": datetime.date.today().isoformat(), "backend": backend,
+               "workload": w.name, "single_gpu": "W2" if docs == "w10" else f"one document of {TOKENS_PER_GPU}",
                "single_gpu_W2_tflops": {"fwd": round(single[0], 1), "fwdbwd": round(single[1], 1)}}
         print(f"\n{env['gpu']} x{world}, torch {env['torch']}, triton {env['triton']}, backend {backend}; "
-              f"single-GPU W2 {single[0]:.1f} / {single[1]:.1f} TF/s")
+              f"{w.name}; single GPU ({env['single_gpu']}) {single[0]:.1f} / {single[1]:.1f} TF/s")
         for row in rows:
             print(_format_row(row))
         if json_path:
@@ -178,11 +193,14 @@ def _one_gpu(q, k, v, seqs, dout, backend: str) -> list[torch.Tensor]:
     return [out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
-def _references(q, k, v, seqs, dout, backend: str) -> dict:
+def _references(q, k, v, seqs, dout, backend: str, fp32: bool = True) -> dict:
     """One GPU on the global inputs: in bf16 (``"bf16"``) and, from the same inputs upcast, in
     float32 (``"fp32"``), with the bf16 result's relative L2 errors against the float32 one
-    (``"single_errors"``): the yardstick of the acceptance test (`check_against_fp32`)."""
+    (``"single_errors"``): the yardstick of the acceptance test (`check_against_fp32`). Without
+    ``fp32`` (too slow in IEEE float32 for one 64k-token document) only the bf16 result."""
     bf16 = _one_gpu(q, k, v, seqs, dout, backend)
+    if not fp32:
+        return {"bf16": bf16}
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
     fp32 = _one_gpu(*leaves, seqs, dout.float(), backend)
     return {"bf16": bf16, "fp32": fp32, "single_errors": {n: _rel_l2(a, b) for n, a, b in zip(GRADS, bf16, fp32)}}
@@ -194,12 +212,12 @@ def check_against_fp32(cp_errors: dict, single_errors: dict, atol: float = 1e-4)
     return all(cp_errors[n] <= 2 * single_errors[n] + atol for n in GRADS)
 
 
-def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check,
+def _run_strategy(workload, strategy, balance, group, seqs, q, k, v, dout, ref, flops, single, backend, check,
                   options: dict) -> dict:
     """One row; ``options``: more keywords of ``cp.attention`` (``overlap_groups``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     suffix = f":G{options['overlap_groups']}" if "overlap_groups" in options else ""
-    row = {"workload": "W10", "impl": f"packattn:cp:{strategy}:{balance}{suffix}", "world": world, **options}
+    row = {"workload": workload, "impl": f"packattn:cp:{strategy}:{balance}{suffix}", "world": world, **options}
     try:
         torch.cuda.reset_peak_memory_stats()
         p = cp.plan(seqs, group, strategy=strategy, balance=balance)
@@ -219,6 +237,7 @@ def _run_strategy(strategy, balance, group, seqs, q, k, v, dout, ref, flops, sin
             got = [p.unshard(out_l.detach()), p.unshard(lse_l.detach().t().contiguous()).t()] + [p.unshard(g) for g in grads]
             if rank == 0 and ref is not None:
                 row["errors"] = {n: round(_rel_l2(a, b), 8) for n, a, b in zip(GRADS, got, ref["bf16"])}
+            if rank == 0 and ref is not None and "fp32" in ref:
                 fp32_errors = {n: _rel_l2(a, b) for n, a, b in zip(GRADS, got, ref["fp32"])}
                 row["errors_vs_fp32"] = {n: round(e, 8) for n, e in fp32_errors.items()}
                 row["single_errors_vs_fp32"] = {n: round(e, 8) for n, e in ref["single_errors"].items()}
