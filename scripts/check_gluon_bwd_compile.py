@@ -12,6 +12,7 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,64,3,4 --masks R   # another config
     python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,4,8,ws         # warp-specialised
     python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8,ws           # warp-specialised dQ
+    python scripts/check_gluon_bwd_compile.py --kernels dq dkdv --persistent   # persistent WS dQ and dK/dV
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
     python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: WS dK/dV (TREE) and tree dQ
 
@@ -19,6 +20,11 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
 combinations: the warp-specialised dK/dV kernel with ``TREE=True`` and the tree dQ kernel
 (`packattn.kernels.tree_dq_gluon_ws`). They need a warp-specialised config (the launchers' at
 d = 128); other configs are reported as skipped.
+
+``--persistent`` (or a ``--config`` ending in ``,ws,persistent``, the launchers' config strings)
+compiles the warp-specialised dQ and dK/dV kernels with ``PERSISTENT``; variants whose config is not
+warp-specialised (the launchers' at d = 64) and the tree dQ (no persistent mode) are reported as
+skipped, e.g. ``--kernels dq --config 128,64,4,8,ws,persistent`` for both head dims.
 """
 
 from __future__ import annotations
@@ -106,8 +112,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
                     persistent: bool = False):
     """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
     the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``persistent``: the
-    warp-specialised dK/dV kernel's persistent variant (``PERSISTENT``, always set: a constexpr left out
-    would be compiled as a runtime argument)."""
+    warp-specialised dK/dV or dQ kernel's persistent variant (``PERSISTENT``, always set for both: a
+    constexpr left out would be compiled as a runtime argument)."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
@@ -125,8 +131,10 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
         else:
             fn, res = varlen_bwd_dq_gluon_ws_kernel, tb.dq_ws_resources(cfg, head_dim)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        if fn is varlen_bwd_dkdv_gluon_ws_kernel:
+        if fn in (varlen_bwd_dkdv_gluon_ws_kernel, varlen_bwd_dq_gluon_ws_kernel):
             constexprs.update(PERSISTENT=persistent)
+        elif persistent:
+            raise ValueError("the tree dQ kernel has no persistent mode")
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
     for name in fn.arg_names:
@@ -203,15 +211,18 @@ def main() -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(tb.HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
-                        help="block_m,block_n,stages,num_warps[,ws] instead of the launcher's table, e.g. 64,64,3,4 "
-                             "or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws (warp-specialised dQ)")
+                        help="block_m,block_n,stages,num_warps[,ws[,persistent]] instead of the launcher's table, "
+                             "e.g. 64,64,3,4 or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws "
+                             "(warp-specialised dQ) or 128,64,4,8,ws,persistent")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     parser.add_argument("--tree", action="store_true",
                         help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
     parser.add_argument("--persistent", action="store_true",
-                        help="the warp-specialised dK/dV kernel with PERSISTENT (persistent grid)")
+                        help="the warp-specialised dK/dV and dQ kernels with PERSISTENT (persistent grid; "
+                             "also implied by a --config ending in ,ws,persistent)")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
+    persistent = args.persistent or bool(config and config.persistent)
     failures = 0
     for kernel in args.kernels:
         for dtype_name in args.dtypes:
@@ -222,9 +233,16 @@ def main() -> int:
                     if args.tree and not (config or KERNELS[kernel][1](head_dim)).warp_specialize:
                         print(f"{label}: skipped (the tree variant needs a warp-specialised config)", flush=True)
                         continue
+                    if persistent and not (config or KERNELS[kernel][1](head_dim)).warp_specialize:
+                        print(f"{label}: skipped (the persistent variant needs a warp-specialised config)",
+                              flush=True)
+                        continue
+                    if persistent and args.tree and kernel == "dq":
+                        print(f"{label}: skipped (the tree dQ has no persistent mode)", flush=True)
+                        continue
                     try:
                         cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config, args.tree,
-                                                        args.persistent)
+                                                        persistent)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -257,7 +275,7 @@ def main() -> int:
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
                                                        f"{'_ws' if cfg.warp_specialize else ''}"
-                                                       f"{'_persistent' if args.persistent else ''}")
+                                                       f"{'_persistent' if persistent else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:
                                 f.write(compiled.asm[ext])

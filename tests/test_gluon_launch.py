@@ -44,11 +44,85 @@ def test_forward_config_strings_round_trip_and_pingpong_rules():
 
 
 def test_backward_config_strings_round_trip_and_persistent_needs_ws():
-    for text in ("32,128,4,8", "64,128,2,8,ws", "64,128,2,8,ws,persistent"):
+    for text in ("32,128,4,8", "64,128,2,8,ws", "64,128,2,8,ws,persistent", "128,64,4,8,ws,persistent"):
         assert tb.parse_config(text).label() == text
-    for bad in ("64,128,2,8,persistent", "64,128,2,8,ws,fast", "64,128,2"):
+    for bad in ("64,128,2,8,persistent", "64,128,2,8,ws,fast", "64,128,2", "128,64,4,8,persistent,ws"):
         with pytest.raises(ValueError, match="expected block_m,block_n,stages,num_warps"):
             tb.parse_config(bad)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_persistent_is_off_by_default_and_set_by_the_env(head_dim, monkeypatch):
+    monkeypatch.delenv(tb.ENV_DQ, raising=False)
+    monkeypatch.delenv(tb.ENV_DKDV, raising=False)
+    assert not tb.dq_config(head_dim).persistent and not tb.dkdv_config(head_dim).persistent
+    monkeypatch.setenv(tb.ENV_DQ, "128,64,4,8,ws,persistent")
+    assert tb.dq_config(head_dim) == tb.GluonBwdConfig(128, 64, 4, 8, warp_specialize=True, persistent=True)
+    monkeypatch.setenv(tb.ENV_DQ, "128,32,4,8,ws,persistent")  # the WS dQ's shape rules still apply
+    with pytest.raises(ValueError, match="warp-specialised dQ kernel takes"):
+        tb.dq_config(head_dim)
+
+
+class _RecordingKernel:
+    """Stands in for a Gluon kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d: int, monkeypatch, sms: int = 132):
+    """Launch the warp-specialised dQ or dK/dV pass with config ``text`` on CPU tensors (tile table of
+    ``tiles`` rows) against a recording kernel on a fake device of ``sms`` SMs: ``(grid, args, kwargs)``."""
+    from packattn.kernels import varlen_bwd_gluon_dq_ws, varlen_bwd_gluon_ws
+
+    module, name = ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel") if kind == "dq"
+                    else (varlen_bwd_gluon_ws, "varlen_bwd_dkdv_gluon_ws_kernel"))
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(module, name, kernel)
+    monkeypatch.setattr(tg, "_num_sms", lambda index: sms)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cfg = tb.parse_config(text)
+    rows = 256
+    q, dout = (torch.zeros(rows, heads_q, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.zeros(rows, heads_kv, d, dtype=torch.bfloat16) for _ in range(2))
+    lse, delta = (torch.zeros(heads_q, rows) for _ in range(2))
+    table = torch.zeros(tiles, 6, dtype=torch.int32)
+    seq_args = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(4))
+    if kind == "dq":
+        tb.gluon_launch_dq(q, k, v, dout, lse, delta, torch.empty_like(q), table, seq_args, 0.1, (-1, 0, 0), False,
+                           config=cfg)
+    else:
+        tb.gluon_launch_dkdv(q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v), table, seq_args,
+                             0.1, (-1, 0, 0), False, config=cfg)
+    assert len(kernel.launches) == 1
+    return kernel.launches[0]
+
+
+@pytest.mark.parametrize("kind,text", [("dq", "128,64,4,8,ws"), ("dkdv", "64,128,2,8,ws")])
+@pytest.mark.parametrize("tiles", [1, 3, 256])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_grid_one_program_per_item_or_persistent(kind, text, tiles, persistent, d, monkeypatch):
+    heads_q, heads_kv = 32, 8
+    grid, args, kwargs = _launch_ws(kind, text + (",persistent" if persistent else ""), tiles, heads_q, heads_kv, d,
+                                    monkeypatch)
+    # work items: (query tile, query head) for dQ, (key tile, kv head) for dK/dV; passed as num_work
+    num_work = tiles * (heads_q if kind == "dq" else heads_kv)
+    assert args[-1] == num_work
+    assert kwargs["PERSISTENT"] is persistent
+    ctas = (tb.dq_ws_resources if kind == "dq" else tb.dkdv_ws_resources)(tb.parse_config(text), d)["ctas_per_sm"]
+    assert grid == ((min(num_work, ctas * 132),) if persistent else (num_work,))
+
+
+def test_dq_persistent_grid_on_w8(monkeypatch):
+    # W8: 64 documents of 512 tokens (4 query tiles of 128 each), 32 heads: 8192 items over one CTA per SM
+    grid, args, kwargs = _launch_ws("dq", "128,64,4,8,ws,persistent", 64 * 4, 32, 32, 128, monkeypatch)
+    assert args[-1] == 8192 and grid == (132,) and kwargs["PERSISTENT"] is True
+    grid, args, kwargs = _launch_ws("dq", "128,64,4,8,ws", 64 * 4, 32, 32, 128, monkeypatch)
+    assert args[-1] == 8192 and grid == (8192,) and kwargs["PERSISTENT"] is False
 
 
 def _fields(desc) -> dict:

@@ -54,8 +54,9 @@ class GluonBwdConfig:
     # ready / empty mbarriers, no CTA barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
     # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8)
     warp_specialize: bool = False
-    # (warp-specialised dK/dV only) a grid of (ctas per SM) x (SMs) programs looping over the work items,
-    # the next item's K/V load overlapping this item's epilogue (`varlen_bwd_gluon_ws`, PERSISTENT)
+    # (warp-specialised dK/dV and dQ) a grid of (ctas per SM) x (SMs) programs looping over the work items,
+    # the next item's K/V (dK/dV, `varlen_bwd_gluon_ws`) or Q/dO (dQ, `varlen_bwd_gluon_dq_ws`) load
+    # overlapping this item's epilogue (PERSISTENT); the tree dQ (`triton_tree_gluon_dq`) ignores it
     persistent: bool = False
 
     def label(self) -> str:
@@ -93,19 +94,24 @@ DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[6
 # with >= 3 stages carries dS[j] into step j+1 (the non-specialised kernel's schedule); block_n 128
 # (2 stages: 192 KB at d = 128) finishes each block's dQ product in its step. (128, 64) configs keep the
 # Triton dQ pass's blocks, so the triton backend's dQ tile table fits them (`triton_varlen.use_gluon_dq`).
+# ",ws,persistent" (`varlen_bwd_gluon_dq_ws`, PERSISTENT: ctas_per_sm x SMs programs loop over the work items, as
+# the persistent WS dK/dV) compiles without spills for (128, 64, 3 or 4 stages), every mask, d 64 / 128; built, not
+# yet measured on a GPU, so off by default ($PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent selects it).
 DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True)],
                       128: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 64, 3, 8, True),
                             GluonBwdConfig(128, 128, 2, 8, True)]}
 DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DQ_WS_ALTERNATIVES[64],
                    128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]
                    + DQ_WS_ALTERNATIVES[128]}
-ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DKDV_CONFIGS (A/B runs)
-ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"  # "block_m,block_n,stages,num_warps[,ws]" overrides DQ_CONFIGS
+# "block_m,block_n,stages,num_warps[,ws[,persistent]]" overrides DKDV_CONFIGS / DQ_CONFIGS (A/B runs)
+ENV_DKDV = "PACKATTN_GLUON_DKDV_CONFIG"
+ENV_DQ = "PACKATTN_GLUON_DQ_CONFIG"
 
 
 def parse_config(text: str) -> GluonBwdConfig:
-    """``"block_m,block_n,stages,num_warps[,ws]"`` (``ws``: warp_specialize), e.g. ``"32,128,4,8"``,
-    ``"64,128,4,8,ws"`` (dK/dV), ``"128,64,4,8,ws"`` (dQ); the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` /
+    """``"block_m,block_n,stages,num_warps[,ws[,persistent]]"`` (``ws``: warp_specialize, ``persistent``:
+    a persistent grid, warp-specialised kernels only), e.g. ``"32,128,4,8"``, ``"64,128,4,8,ws"`` (dK/dV),
+    ``"128,64,4,8,ws"`` (dQ), ``"128,64,4,8,ws,persistent"``; the format of ``$PACKATTN_GLUON_DKDV_CONFIG`` /
     ``_DQ_CONFIG``."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if len(parts) not in (4, 5, 6) or parts[4:] not in ([], ["ws"], ["ws", "persistent"]):
@@ -253,7 +259,8 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
                     config: GluonBwdConfig | None = None) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
-    the config says ``warp_specialize``), one program per (query tile, query head). ``tiles`` built with
+    the config says ``warp_specialize``), one program per (query tile, query head), or with ``persistent``
+    (warp-specialised only) ``ctas_per_sm x SMs`` programs looping over them (`ws_grid`). ``tiles`` built with
     ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
     of sequences only. ``config``: `dq_config`'s answer when the caller has it already."""
     heads_q = q.shape[1]
@@ -276,8 +283,14 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
 
         res = dq_ws_resources(cfg, q.shape[-1])
         section = heads_per_section(heads_q, heads_q // k.shape[1])
-        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, **blocks, CONSUMER_REGS=res["consumer_regs"],
-                                            PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
+        num_work = grid[0]
+        if cfg.persistent:
+            grid = (ws_grid(q.device, cfg, num_work, res),)
+        if num_work + grid[0] >= 2**30:  # the persistent kernel packs the item index into 30 bits
+            raise ValueError(f"too many dQ work items ({num_work})")
+        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, num_work, **blocks, PERSISTENT=cfg.persistent,
+                                            CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+                                            num_warps=4, maxnreg=res["maxnreg"])
         return
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
 

@@ -63,6 +63,50 @@ the slot cannot be refilled before both consumers release it. Query rows past ``
 as TMA read them) only produce dQ rows that are never stored.
 
 A tile with ``num_blocks == 0`` loads nothing and stores zeros (``seq < 0``: stores nothing).
+
+``PERSISTENT`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent``; a grid of ``ctas_per_sm x
+SMs`` programs, `triton_fwd_gluon.ws_grid`, smaller than ``num_work = tiles x query heads``), as the
+persistent warp-specialised dK/dV (`varlen_bwd_gluon_ws`) runs it: every partition walks the work
+items ``pid, pid + nprog, ...`` (`_work_item` with ``num_work`` as the item count, so the head
+sections and the item each program gets are the one-program-per-item ones) and skips the items with
+``num_blocks == 0`` identically: no load, no barrier operation, the consumers just store zeros
+(``seq >= 0``). Per item the consumers run exactly the non-persistent tile: the same lse / delta,
+the same key blocks in the same order, the same wgmma and elementwise steps (`_dq_ws_blocks`), and
+store the same float32 ``dq * scale`` cast to the output dtype to the same rows, only straight from
+the accumulator registers (`varlen_bwd_gluon_ws._store_rows_direct`) instead of staged through Q's
+buffer: dQ is bitwise the non-persistent kernel's. Barrier phases across items:
+
+* ``ready`` / ``empty`` (the K / V ring): ring steps are counted over all the items of the program
+  (``step``: the blocks of the program's earlier items), so item ``i``'s block ``b`` is ring step
+  ``j = step + b`` in all three partitions, slot ``j % STAGES``, ``ready`` parity ``(j // STAGES) & 1``,
+  ``empty`` parity (producer) that ``^ 1``: the ring runs on across items as if they were one tile,
+  and the producer fills the next item's first ``min(num_blocks, STAGES)`` slots while the consumers
+  finish this item (those waits need only this item's releases).
+* ``q_bar`` / ``q_empty`` (Q and dO, one buffer): the consumers wait ``q_bar`` with the parity of the
+  Q / dO tiles they consumed so far, and after the item's last wgmma each arrives on ``q_empty``
+  (count 2); the producer waits ``q_empty`` with the parity of its Q / dO loads so far ``^ 1`` (the
+  first wait passes on the fresh barrier) before the next item's Q / dO TMA, which it issues after
+  that item's first ``STAGES`` K / V blocks. Neither barrier runs two phases ahead of its waiter:
+  the producer loads Q / dO ``k + 1`` only after both consumers released ``k``, which each did after
+  waiting for it. The output no longer stages through Q's rows, so the next item's Q / dO land
+  during this item's epilogue.
+* ``zero_bar`` (tail rendezvous): both consumers see the same tail steps (at most one per item, the
+  same items and blocks), and each waits with the parity of the tail steps it took so far, now
+  counted over the items (bit 31 of its state word) instead of restarting at 0 per tile; neither can
+  arrive twice before the other arrived once (each waits for the phase it arrived on).
+
+Registers: a persistent partition keeps its item, its Q / dO parity and (consumers) its tail parity
+in one state word (`varlen_bwd_gluon_ws_load.ITEM_MASK`: bits 0..29 the item, bit 30 the Q / dO
+parity, bit 31 the tail parity; hence ``num_work + grid < 2**30``) and reads the grid size,
+``num_work`` and (consumers) the window arguments through opaque inline asm
+(`varlen_fwd_gluon_ws._opaque`; the lse stride and the dQ strides as ``stride + 16 * z``, ``z`` an
+opaque 0), so that LLVM does not hoist item-prologue / epilogue values out of the persistent loop to
+the kernel entry (shared by all partitions: ptxas spills what lives from there into a consumer) or
+into registers held across the steps; the epilogue decodes the item again from an opaque copy of the
+state. sm_90a compile (scripts/check_gluon_bwd_compile.py --kernels dq --config
+128,64,4,8,ws,persistent, also 128,64,3,...): no spills for any mask, bf16 / fp16, d 64 / 128 (at d =
+128 consumers ~190 of 240 registers); 128,128,2,8,ws,persistent spills 4 B at d = 128 with the
+left + chunk + right mask (the non-persistent kernel is at 238 of 240 there already).
 """
 
 from triton.experimental import gluon
@@ -70,10 +114,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
+from packattn.kernels.varlen_bwd_gluon_ws import _count_tail, _store_rows_direct, _tail_phase
+from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _opaque_program_id, _ring_barriers, _work_item
+from packattn.kernels.varlen_fwd_gluon_ws import (_opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers,
+                                                  _work_item)
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
+# persistent state word (`ITEM_MASK`): bit 30 the parity of the Q / dO tiles loaded (producer) / consumed
+# (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
+Q_PHASE_BIT = gl.constexpr(1 << 30)
 
 
 @gluon.jit
@@ -100,22 +150,64 @@ def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, 
 
 # ---------------------------------------------------------------- producer
 @gluon.jit
+def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row, col):
+    """TMA the tile's Q and dO (rows ``row ...``, column ``col``) onto ``q_bar``."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [row, col], q_bar, do_smem)
+
+
+@gluon.jit
+def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, first, last, row0_kv, n_base, col_kv,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Ring steps ``first .. last-1`` (counted over the program's work items): K / V rows ``n_base + j *
+    BLOCK_N ...`` into slot ``j % STAGES`` once both consumers released step ``j - STAGES`` there."""
+    for j in range(first, last):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_base, col_kv, last, STAGES, BLOCK_N)
+
+
+@gluon.jit
 def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                    num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                    num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem, k_bufs, v_bufs, q_bar,
+                    q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    PERSISTENT: gl.constexpr):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
-    slot ``j % STAGES`` once both consumers released block ``j - STAGES`` there."""
-    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 heads_per_section, HEAD_DIM, BLOCK_N)
-    if num_blocks > 0:
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-        tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
-        for j in range(0, num_blocks):
-            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
-                           BLOCK_N)
+    slot ``j % STAGES`` once both consumers released block ``j - STAGES`` there. ``PERSISTENT``: for
+    each work item ``pid, pid + nprog, ...`` with blocks, its first ``min(num_blocks, STAGES)`` blocks,
+    then Q / dO once both consumers released the previous item's on ``q_empty``, then the other
+    blocks (ring steps and Q / dO loads counted over the items, as the consumers count them)."""
+    if PERSISTENT:
+        step = 0  # ring steps issued so far
+        state = _opaque_program_id(num_work)  # work item | parity of the Q / dO loads issued so far (`ITEM_MASK`)
+        while (state & ITEM_MASK) < num_work:
+            seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+                _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
+                           num_heads_q, group_size, heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
+            if num_blocks > 0:
+                n_base = n_lo - step * BLOCK_N  # ring step j holds keys n_base + j * BLOCK_N ...
+                split = step + gl.minimum(num_blocks, STAGES)
+                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, step, split, row0_kv, n_base, col_kv,
+                                BLOCK_N, STAGES)
+                mbarrier.wait(q_empty, ((state >> 30) & 1) ^ 1)  # both consumers are done with the previous Q / dO
+                _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row0_q + q_start, head * HEAD_DIM)
+                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, split, step + num_blocks, row0_kv,
+                                n_base, col_kv, BLOCK_N, STAGES)
+                step += num_blocks
+                state = state ^ Q_PHASE_BIT
+            state += _opaque_num_programs(state)
+    else:
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                     heads_per_section, HEAD_DIM, BLOCK_N)
+        if num_blocks > 0:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            for j in range(0, num_blocks):
+                mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                               BLOCK_N)
 
 
 # ---------------------------------------------------------------- consumers
@@ -140,13 +232,14 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
                 chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
-                WITH_PREV: gl.constexpr):
+                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False):
     """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
     ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
     dQ product here. ``TREE``: the tree mask (`_probs_tree`, ``key_ends``: the ring of the blocks'
-    ``key_end``), else the varlen masks (``key_ends`` unused). Returns ``(dq, ds, ntail)`` with no
-    wgmma in flight."""
+    ``key_end``), else the varlen masks (``key_ends`` unused). ``PERSISTENT``: ``ntail`` is the
+    consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). Returns
+    ``(dq, ds, ntail)`` with no wgmma in flight."""
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     k_buf = k_bufs.index(slot)
@@ -157,8 +250,8 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
         else:
             _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
         mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
-        ntail += 1
+        mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's half is zero too
+        ntail = _count_tail(ntail, PERSISTENT)
 
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -191,92 +284,166 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
 
 
 @gluon.jit
-def _dq_ws_blocks(num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty,
+def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready, empty,
                   zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                   chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False):
     """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
-    n_mid_hi)``) as ring steps ``b`` of one consumer warp group: with ``CARRY_DS`` (``STAGES >= 3``)
-    dS crosses from block to block and the last dQ product is finished (and its slot released) here.
-    Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel, `tree_dq_gluon_ws`, walks its
-    intervals with its own loop around `_dq_ws_step`.)"""
+    n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group (``step``: 0, or with
+    ``PERSISTENT`` the ring steps of the program's earlier items, and ``ntail`` the state word): with
+    ``CARRY_DS`` (``STAGES >= 3``) dS crosses from block to block and the last dQ product is finished
+    (and its slot released) here. Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel,
+    `tree_dq_gluon_ws`, walks its intervals with its own loop around `_dq_ws_step`.)"""
     CARRY_DS: gl.constexpr = STAGES >= 3
     if CARRY_DS:
-        dq, ds, ntail = _dq_ws_step(0, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
+        dq, ds, ntail = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
                                     zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                                     window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False)
+                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False, PERSISTENT)
         for b in range(1, num_blocks):
-            dq, ds, ntail = _dq_ws_step(b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+            dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, True, True)
-        last = (num_blocks - 1) % STAGES
+                                        TOP_LEFT, False, True, True, PERSISTENT)
+        last = (step + num_blocks - 1) % STAGES
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
     else:
         for b in range(0, num_blocks):
-            dq, ds, ntail = _dq_ws_step(b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+            dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, False, False)
+                                        TOP_LEFT, False, False, False, PERSISTENT)
     return dq, ntail
 
 
 @gluon.jit
+def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q,
+                  Lse, Delta, stride_lse_head, qk_scale_log2, window_left, window_right, chunk_size, q_wg, do_wg,
+                  k_bufs, v_bufs, q_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """One tile with ``num_blocks >= 1`` key blocks, ring steps ``step ...``: this warp group's lse / delta
+    / query positions, wait for Q / dO (``q_bar`` phase ``q_phase``), the blocks (`_dq_ws_blocks`).
+    Returns ``(dq, ntail)``, no wgmma in flight."""
+    first = q_start + WG * WG_ROWS
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    offs_m = first + gl.arange(0, WG_ROWS, layout=row_layout)
+    lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout)
+    delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
+    mbarrier.wait(q_bar, q_phase)
+    return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready,
+                         empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left,
+                         window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                         HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)
+
+
+@gluon.jit
+def _store_item(dq_scaled, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
+                stride_dq_head, num_heads_q, group_size, heads_per_section, num_work, o_layout: gl.constexpr,
+                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Persistent epilogue: decode the work item of ``state`` again (from an opaque copy: nothing of the
+    first decode is kept across the steps) and store this consumer's rows of ``dQ * scale``
+    (``dq_scaled``) straight from registers (`_store_rows_direct`). The strides pass through ``+ 16 *
+    z`` with ``z`` an opaque 0, as in `varlen_bwd_gluon_ws._store_item`: LLVM cannot hoist their
+    64-bit extensions out of the persistent loop, and Triton still sees multiples of 16."""
+    w = _opaque(state) & ITEM_MASK
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
+                   heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
+    if seq >= 0:
+        z = (_opaque(w) - w) * 16
+        stride_row = stride_dq_row + z
+        base = dQ + row0_q.to(gl.int64) * stride_row + head.to(gl.int64) * (stride_dq_head + z)
+        _store_rows_direct(dq_scaled, base, q_start + WG * WG_ROWS, len_q, stride_row, o_layout, WG_ROWS, HEAD_DIM)
+
+
+@gluon.jit
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
-                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ."""
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
+                    qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
+                    q_bar, q_empty, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ; with
+    ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state word, ring
+    steps counted over the items, Q / dO released on ``q_empty`` after the item's last wgmma, dQ
+    stored from registers)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
-    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 heads_per_section, HEAD_DIM, BLOCK_N)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
-    dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-    if num_blocks > 0:
-        first = q_start + WG * WG_ROWS
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        offs_m = first + gl.arange(0, WG_ROWS, layout=row_layout)
-        lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout)
-        delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
-        ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-        mbarrier.wait(q_bar, 0)
-        dq, ntail = _dq_ws_blocks(num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready,
-                                  empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
-                                  window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    if PERSISTENT:
+        step = 0  # ring steps consumed so far (all work items of this program)
+        state = _opaque_program_id(num_work)  # work item | Q / dO parity | tail parity (`ITEM_MASK`)
+        while (state & ITEM_MASK) < num_work:
+            seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+                _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
+                           num_heads_q, group_size, heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
+            zero = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+            if num_blocks > 0:
+                # (opaque window arguments, and the lse stride through an opaque + 16 * 0 as `_store_item`'s
+                # strides: LLVM would hoist values derived from them to the kernel entry, and ptxas spills them)
+                lse_stride = stride_lse_head + (_opaque(state) - state) * 16
+                dq, state = _consume_item(step, (state >> 30) & 1, zero, state, head, q_start, n_lo, n_mid_lo,
+                                          n_mid_hi, num_blocks, len_q, len_kv, row0_q, Lse, Delta, lse_stride,
+                                          qk_scale_log2, _opaque(window_left), _opaque(window_right),
+                                          _opaque(chunk_size), q_wg, do_wg, k_bufs,
+                                          v_bufs, q_bar, ready, empty, zero_bar, s_layout, o_layout, WG, BLOCK_N,
+                                          HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True)
+                mbarrier.arrive(q_empty, count=1)  # last wgmma on Q / dO done: the next item's may load
+                step += num_blocks
+                state = state ^ Q_PHASE_BIT
+                _store_item(dq * scale, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            stride_dq_row, stride_dq_head, num_heads_q, group_size, heads_per_section, num_work,
+                            o_layout, WG, HEAD_DIM, BLOCK_N)
+            else:  # no barrier operation: the producer loads nothing for this item
+                _store_item(zero, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                            stride_dq_row, stride_dq_head, num_heads_q, group_size, heads_per_section, num_work,
+                            o_layout, WG, HEAD_DIM, BLOCK_N)
+            state += _opaque_num_programs(state)
+    else:
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                     heads_per_section, HEAD_DIM, BLOCK_N)
+        dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+        if num_blocks > 0:
+            ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
+            dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
+                                      len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
+                                      window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
+                                      zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT,
+                                      HAS_CHUNK, TOP_LEFT, False)
 
-    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
-    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                 heads_per_section, HEAD_DIM, BLOCK_N, True)
-    if seq >= 0:
-        # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
-        # with num_blocks == 0 no TMA was issued into them)
-        base = dQ + row0_q.to(gl.int64) * stride_dq_row + head.to(gl.int64) * stride_dq_head
-        _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
+        # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                     heads_per_section, HEAD_DIM, BLOCK_N, True)
+        if seq >= 0:
+            # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
+            # with num_blocks == 0 no TMA was issued into them)
+            base = dQ + row0_q.to(gl.int64) * stride_dq_row + head.to(gl.int64) * stride_dq_head
+            _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
 
 
 @gluon.jit
 def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                           q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+                           num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem,
+                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                           HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                           PERSISTENT: gl.constexpr):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
-                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
+                    qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
+                    q_bar, q_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                    HAS_CHUNK, TOP_LEFT, PERSISTENT)
 
 
 # ---------------------------------------------------------------- kernel
@@ -309,28 +476,37 @@ def varlen_bwd_dq_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
+    num_work,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PERSISTENT: gl.constexpr = False,
 ):
-    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus the
-    register split; launch with ``num_warps = 4`` and ``maxnreg`` as `triton_bwd_gluon.dq_ws_resources`
-    says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc``
-    blocks ``[BLOCK_N, HEAD_DIM]``."""
+    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus ``num_work``,
+    the register split and ``PERSISTENT``; launch with ``num_warps = 4`` and ``maxnreg`` as
+    `triton_bwd_gluon.dq_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M,
+    HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``num_work = tiles.shape[0] *
+    num_heads_q`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the argument is
+    then unused), spread over a smaller grid with it (module docstring)."""
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
+    if PERSISTENT:
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=2)  # both consumers are done with the item's Q / dO
+    else:  # one work item per program: Q / dO are loaded once (and stage the epilogue)
+        q_empty = q_bar  # (unused)
     gl.warp_specialize([
         (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                           q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                           TOP_LEFT)),
+                           num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem,
+                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES,
+                           HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)),
         (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                   stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                  heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                  q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_N,
-                                  STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)),
+                                  heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                                  chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar,
+                                  HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)),
         (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                           row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs,
-                           q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
+                           row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
+                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
