@@ -3,7 +3,10 @@ backend="triton" | "triton_tree")`` + ``torch.autograd.grad`` under torch.profil
 ``--iters`` calls (after a warm-up), per workload: kernel name, calls per f+b, GPU microseconds per
 f+b, share of the total; then the GPU sum against the wall time per call (sync after each call).
 
-    python3 benchmarks/kernel_breakdown.py W8 W1 W7 [--iters 20]
+    python3 benchmarks/kernel_breakdown.py W8 W1 W7 docs:1024 [--iters 20]
+
+``docs:N``: 32768 tokens of documents of N tokens each (the last one shorter), heads 16/16, causal (W8 is
+docs:512).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import packattn
-from packattn.bench.workloads import tree_workloads, varlen_workloads
+from packattn.bench.workloads import Workload, tree_workloads, varlen_workloads
 
 
 def step_fn(w):
@@ -67,6 +70,10 @@ def main(argv: list[str]) -> int:
     table = {**varlen_workloads(), **tree_workloads()}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name in args.workloads:
+        if name.startswith("docs:"):
+            n = int(name[5:])
+            table[name] = Workload(name, [n] * (32768 // n) + ([32768 % n] if 32768 % n else []),
+                                   options={"causal": True})
         breakdown(name, table[name], args.iters)
     return 0
 
