@@ -363,7 +363,7 @@ def test_custom_ops_opcheck():
     q_tiles = triton_varlen.build_tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     key_tiles = triton_varlen.build_tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
     tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, q_tiles, q_tiles, key_tiles]
-    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0])
+    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0, 0])
     torch.library.opcheck(torch.ops.packattn.varlen_fwd.default, args)
     out, lse = torch.ops.packattn.varlen_fwd(*args)
     torch.library.opcheck(torch.ops.packattn.varlen_bwd.default,
@@ -431,3 +431,27 @@ def test_fast_op_uses_the_op_for_tensor_subclasses_and_under_compile(monkeypatch
         assert fast_op.call(op, eager, plain, [fake], 1.0) == "op"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert fast_op.call(op, eager, plain) == "op"
+
+
+@pytest.mark.parametrize("length,short", [(512, True), (513, False)])
+def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
+    """No sequence longer than SHORT_SEQLEN: the forward op is told ``short_seqs`` (which picks the
+    short-sequence Gluon forward and dQ configs on a GPU); the short dQ config keeps the default's blocks
+    (the dQ tile table is built before the backward knows the config)."""
+    from packattn.backends import triton_bwd_gluon, triton_fwd_gluon
+
+    captured = {}
+
+    def fake_call(op, eager, q, k, v, tables, pad_q, pad_kv, scale, options):
+        captured.update(zip(triton_varlen.FWD_OPTIONS, options))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(triton_varlen.fast_op, "call", fake_call)
+    seqs, q, k, v, _ = make_inputs([length, 7])
+    packattn.attention(q, k, v, seqs, backend="triton", causal=True)
+    assert captured["short_seqs"] == short
+    assert triton_varlen.SHORT_SEQLEN == 512
+    short_dq, dq = triton_bwd_gluon.dq_config(128, True), triton_bwd_gluon.dq_config(128)
+    assert (short_dq.block_m, short_dq.block_n) == (dq.block_m, dq.block_n) and short_dq != dq
+    assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
+    assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]

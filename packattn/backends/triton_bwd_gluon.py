@@ -75,6 +75,10 @@ class GluonBwdConfig:
 # non-specialised kernel here (",ws" at d = 64 is correct but not timed), so the Triton pass runs there.
 DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 128, 2, 8, True)}
 DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8, True)}
+# Short sequences (none longer than triton_varlen.SHORT_SEQLEN = 512 rows) at d = 128: the non-specialised dQ
+# (same blocks, so the same tile table). H200 dQ kernel time (results/2026-11-24/s8_short_docs_sweep_h200.txt),
+# causal documents of 256 / 512 / 1024 rows: 294.4 -> 258.5, 345.7 -> 329.4, 446.2 -> 484.5 us.
+DQ_SHORT_CONFIGS = {128: GluonBwdConfig(128, 64, 4)}
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
@@ -132,10 +136,12 @@ def dkdv_config(head_dim: int) -> GluonBwdConfig:
     return _config(ENV_DKDV, DKDV_CONFIGS, head_dim)
 
 
-def dq_config(head_dim: int) -> GluonBwdConfig:
-    """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides); its tile table is
+def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
+    """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides; ``short_seqs``: no sequence
+    longer than `triton_varlen.SHORT_SEQLEN`, `DQ_SHORT_CONFIGS`); its tile table is
     ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
-    cfg = _config(ENV_DQ, DQ_CONFIGS, head_dim)
+    table = {**DQ_CONFIGS, **DQ_SHORT_CONFIGS} if short_seqs else DQ_CONFIGS
+    cfg = _config(ENV_DQ, table, head_dim)
     if cfg.warp_specialize and (cfg.block_m != 128 or cfg.num_warps != 8 or cfg.block_n not in (64, 128)):
         raise ValueError(f"{ENV_DQ}: the warp-specialised dQ kernel takes block_m 128, block_n 64 or 128, "
                          f"num_warps 8 (got {cfg.label()})")

@@ -137,13 +137,23 @@ ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 LONG_CONFIGS = CONFIGS
 
 
-def config_for(head_dim: int, long_seqs: bool = False) -> GluonConfig:
+# Short sequences (no sequence longer than triton_varlen.SHORT_SEQLEN = 512 rows) at d = 128: 64 x 64 tiles, one
+# consumer warp group, two CTAs per SM (one CTA's prologue / epilogue under the other's main loop, less waste on
+# the causal diagonal). H200, forward kernel time (results/2026-11-24/s8_short_docs_sweep_h200.txt): causal
+# documents of 512 rows 275.7 -> 254.5 us; of 1024 rows 372.6 -> 388.7 (worse, hence the threshold).
+SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4, True, True, True)}
+
+
+def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False) -> GluonConfig:
     """Block sizes, pipeline depth and warps for ``head_dim``; the tile table must use block_m/block_n.
+    ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`).
     ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
     overrides the table, for A/B runs."""
     override = os.environ.get(ENV_CONFIG)
     if override:
         return parse_config(override)
+    if short_seqs and head_dim in SHORT_CONFIGS:
+        return SHORT_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
 
 
@@ -347,7 +357,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
               row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor, q_tiles: torch.Tensor,
               scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
-              padded_q: bool, long_seqs: bool = False, config: GluonConfig | None = None,
+              padded_q: bool, long_seqs: bool = False, short_seqs: bool = False, config: GluonConfig | None = None,
               max_programs: int | None = None, out: torch.Tensor | None = None,
               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the forward, as ``packattn::varlen_fwd``; ``q_tiles`` built with
@@ -374,7 +384,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or config_for(head_dim, long_seqs)
+    cfg = config or config_for(head_dim, long_seqs, short_seqs)
     args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, q_tiles,
             cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             out.stride(0), out.stride(1), lse.stride(0),

@@ -70,6 +70,10 @@ HOPPER_CONFIGS = {
 # while (128, 32, 4, 4) stays best on W1/W8's mixes of shorter documents and W2 ties
 # (benchmarks/results/2026-11-22/tune_w4_h200.txt, tune_fwd_dkdv_v7_h200.txt).
 LONG_SEQLEN = 8192
+# No sequence longer than SHORT_SEQLEN (queries or keys): the Gluon forward and dQ take their short-sequence
+# configs at d = 128 (`triton_fwd_gluon.SHORT_CONFIGS`, `triton_bwd_gluon.DQ_SHORT_CONFIGS`): faster on
+# documents of 256 and 512 rows, slower on 1024 (H200, results/2026-11-24/s8_short_docs_sweep_h200.txt).
+SHORT_SEQLEN = 512
 HOPPER_LONG_FWD_CONFIGS = {128: LaunchConfig(128, 64, 8, 3)}
 # other CUDA GPUs (Ampere/Ada: less shared memory)
 FALLBACK_CONFIGS = {
@@ -245,7 +249,8 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 # (torch._library.utils.fill_defaults), a cost that grows with the square of the argument count
 # (~0.2 ms of host time per call with 21 arguments).
 FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "q_tiles", "dq_tiles", "dkdv_tiles")
-FWD_OPTIONS = ("window_left", "window_right", "chunk_size", "top_left", "padded_q", "padded_kv", "long_seqs", "gluon")
+FWD_OPTIONS = ("window_left", "window_right", "chunk_size", "top_left", "padded_q", "padded_kv", "long_seqs", "gluon",
+               "short_seqs")
 
 
 def _varlen_fwd(
@@ -255,10 +260,11 @@ def _varlen_fwd(
     """``(out, lse)``. ``tables``: the tensors named in `FWD_TABLES` (``dq_tiles``/``dkdv_tiles``, like
     ``pad_rows_kv``, only carried for the backward); ``options``: the integers named in
     `FWD_OPTIONS`. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
-    ``long_seqs``, ``gluon``: the forward kernel and config that ``q_tiles`` was built for (the Gluon
-    forward when ``gluon``, see `use_gluon_fwd`)."""
+    ``long_seqs``, ``gluon``, ``short_seqs``: the forward kernel and config that ``q_tiles`` was built for
+    (the Gluon forward when ``gluon``, see `use_gluon_fwd`; ``short_seqs`` also picks the backward's dQ
+    config)."""
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles = tables[:5]
-    window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon = options
+    window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon, short_seqs = options
     top_left, padded_q, long_seqs, gluon = bool(top_left), bool(padded_q), bool(long_seqs), bool(gluon)
 
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -270,7 +276,7 @@ def _varlen_fwd(
     if gluon:
         return triton_fwd_gluon.gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles,
                                           scale, window_left, window_right, chunk_size, top_left, padded_q, long_seqs,
-                                          out=out, lse=lse)
+                                          bool(short_seqs), out=out, lse=lse)
     from packattn.kernels.varlen_fwd import varlen_fwd_kernel
 
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
@@ -369,11 +375,11 @@ def _gluon_dkdv_config(q: torch.Tensor, possible: bool):
     return None
 
 
-def _gluon_dq_config(q: torch.Tensor, possible: bool, config: LaunchConfig):
+def _gluon_dq_config(q: torch.Tensor, possible: bool, config: LaunchConfig, short_seqs: bool = False):
     """Gluon's `dq_config` when the Gluon dQ pass runs (`use_gluon_dq`; ``config``: the Triton dQ
     pass's, whose blocks the dQ tile table has), else None."""
     if possible:
-        cfg = triton_bwd_gluon.dq_config(q.shape[-1])
+        cfg = triton_bwd_gluon.dq_config(q.shape[-1], short_seqs)
         if (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n):
             return cfg
     return None
@@ -405,6 +411,7 @@ def _varlen_bwd(
     dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
+    short_seqs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
@@ -422,7 +429,7 @@ def _varlen_bwd(
     gluon_possible = _gluon_bwd_possible(q, k, v)
     dkdv_config = _gluon_dkdv_config(q, gluon_possible)
     config = launch_config("dq", head_dim, q.dtype, q.device)
-    dq_config = _gluon_dq_config(q, gluon_possible, config)
+    dq_config = _gluon_dq_config(q, gluon_possible, config, short_seqs)
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
@@ -506,6 +513,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv)
     window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
     ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
+    ctx.short_seqs = bool(options[FWD_OPTIONS.index("short_seqs")])
     ctx.dkdv_choice = dkdv_choice(q, k, v)  # what dkdv_tiles was built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
@@ -521,7 +529,7 @@ def _backward_through(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
-                         dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv)
+                         dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv, ctx.short_seqs)
         # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
         return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
 
@@ -565,9 +573,10 @@ class TritonVarlenBackend(TritonBackend):
             q, scale = -q, -scale
         head_dim = q.shape[-1]
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
+        short_seqs = max(seqs.max_seqlen_q, seqs.max_seqlen_kv) <= SHORT_SEQLEN
         gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
         if gluon:
-            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs)
+            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs)
         else:
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
@@ -584,6 +593,6 @@ class TritonVarlenBackend(TritonBackend):
             varlen_fwd, _VarlenFwdEager.apply, q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
             seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None, scale,
             [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
-             gluon],
+             gluon, short_seqs],
         )
         return out, (lse if problem.return_lse else None)
