@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import packattn
+from packattn.backends import triton_varlen
 from packattn.bench.workloads import doc_lengths
 from packattn.varlen import Varlen
 
@@ -91,6 +92,17 @@ def test_w4_chunked_one_document():
     ref_seqs = Varlen.from_lengths([8192] * 4, device="cuda")
     check_against_reference(*inputs(seqs, 16, 16), seqs, ref_seqs=ref_seqs, ref_opts={"causal": True},
                             causal=True, chunk_size=8192)
+
+
+@pytest.mark.parametrize("lengths", [[512] * 64, [256] * 127 + [200, 56], [512, 0, 1, 511, 300] * 8],
+                         ids=["w8", "256", "nasty"])
+def test_w8_short_documents(lengths):
+    """Batches with no sequence longer than SHORT_SEQLEN (512) take the short-sequence forward and dQ configs."""
+    seqs = Varlen.from_lengths(lengths, device="cuda")
+    assert seqs.max_seqlen_q <= triton_varlen.SHORT_SEQLEN
+    check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True)
+    q, k, v, dout = inputs(seqs, 16, 4)
+    check_against_reference(q, k, v, dout, seqs, causal="top_left", window=(100, 0))
 
 
 def test_w5_sliding_window(w1_lengths):
