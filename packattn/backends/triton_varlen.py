@@ -294,8 +294,11 @@ def _varlen_fwd(
 # The Gluon forward runs when some sequence has >= GLUON_MIN_SEQLEN queries. It was 1024 while a Gluon
 # launch cost more host time than a ~0.3 ms W8 forward left (results/2026-11-22/probe_w8_gluon_h200.txt);
 # with the eager fast path (`fast_op`) W8 (64 x 512 tokens) measured 0.297 ms with it vs 0.495 without
-# (results/2026-11-23/bench_v13_w8_gluon_fwd.txt, H200). Shorter documents are not measured: Triton there.
-GLUON_MIN_SEQLEN = 512
+# (results/2026-11-23/bench_v13_w8_gluon_fwd.txt, H200), so it went to 512. Below 512 rows the batch is short
+# (SHORT_SEQLEN) and the Gluon forward takes 64 x 64 tiles: 32768 tokens of causal documents of 128 / 256
+# rows, forward kernel 209.8 -> 184.4 / 246.2 -> 208.8 us against the Triton one (H200,
+# results/2026-11-24/s8_short_docs_gluon_min_h200.txt). Shorter documents are not measured: Triton there.
+GLUON_MIN_SEQLEN = 128
 ENV_GLUON_MIN_SEQLEN = "PACKATTN_GLUON_MIN_SEQLEN"  # overrides GLUON_MIN_SEQLEN (A/B runs)
 
 
