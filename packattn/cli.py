@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                        "default: its default)")
     bench.add_argument("--cp-docs", choices=("w10", "one"), default="w10",
                        help="--cp: W10's documents, or one document of all its tokens (every strategy communicates)")
+    bench.add_argument("--autograd-threads", choices=("on", "off"), default="on",
+                       help="off: every backward on the calling thread (torch.autograd.set_multithreading_enabled"
+                       "(False)) instead of autograd's CUDA device thread, for every implementation")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 
-        return run_bench(args.workloads, args.impls, args.json, args.plot)
+        return run_bench(args.workloads, args.impls, args.json, args.plot, args.autograd_threads == "on")
     if args.command == "info":
         return info()
     from packattn.demo_tree import run_demo_tree

@@ -75,21 +75,36 @@ def run_one(w: Workload, impl: str, device) -> dict:
     return row
 
 
-def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None) -> int:
+def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None,
+              autograd_threads: bool = True) -> int:
+    """Time ``workloads`` x ``impls`` (table, JSON, plot). ``autograd_threads=False`` runs every
+    implementation's backward on the calling thread (`torch.autograd.set_multithreading_enabled`)
+    instead of autograd's CUDA device thread, whose hand-off costs a few hundred microseconds of host time
+    per backward on some hosts (benchmarks/probe_autograd_threads.py): what a host-bound call measures."""
     if not torch.cuda.is_available():
         print("packattn bench needs a CUDA GPU")
         return 1
     import triton
 
     device = torch.device("cuda")
-    table = all_workloads()
-    names = workloads or [*table, *small_seq.small_seq_workloads()]
-    impls = impls or list(IMPLS)
     env = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "packattn": packattn.__version__, "date": datetime.date.today().isoformat(), **_ceilings(device),
+        "autograd_threads": autograd_threads,
     }
-    print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul {env['matmul_tflops']} TF/s")
+    print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul "
+          f"{env['matmul_tflops']} TF/s, autograd device threads {'on' if autograd_threads else 'off'}")
+    torch.autograd.set_multithreading_enabled(autograd_threads)
+    try:
+        return _run_jobs(workloads, impls, json_path, plot_path, device, env)
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+
+
+def _run_jobs(workloads, impls, json_path, plot_path, device, env) -> int:
+    table = all_workloads()
+    names = workloads or [*table, *small_seq.small_seq_workloads()]
+    impls = impls or list(IMPLS)
     rows = []
     try:
         from tqdm import tqdm
