@@ -146,3 +146,34 @@ def test_descriptor_copies_what_tma_cannot_read():
     desc = tg._descriptor(x, 64)
     assert desc.base.is_contiguous() and torch.equal(desc.base, x)
     assert desc.shape == [40, 4 * 64] and desc.strides == [4 * 64, 1]
+
+
+
+@pytest.mark.parametrize("text", ["64,64,2,4,ws", "32,64,3,4,ws", "32,64,4,4,ws"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_one_consumer_dkdv_launches_two_ctas_per_sm(text, d, monkeypatch):
+    grid, args, kwargs = _launch_ws("dkdv", text, 5, 32, 8, d, monkeypatch)
+    assert grid == (40,) and args[-1] == 40
+    assert kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 128 and kwargs["BLOCK_N"] == 64
+    assert kwargs["PERSISTENT"] is False
+    res = tb.dkdv_ws_resources(tb.parse_config(text), d)
+    assert res["ctas_per_sm"] == 2 and res["consumer_regs"] == 232, res
+
+
+@pytest.mark.parametrize("text", ["32,64,3,4,ws,persistent", "64,64,2,8,ws", "64,128,2,4,ws", "16,64,2,4,ws",
+                                  "32,64,1,4,ws"])
+def test_one_consumer_dkdv_refuses_bad_configs(text, monkeypatch):
+    with pytest.raises(ValueError):
+        _launch_ws("dkdv", text, 5, 32, 8, 128, monkeypatch)
+    monkeypatch.setenv(tb.ENV_DKDV, text)
+    with pytest.raises(ValueError):
+        tb.dkdv_config(128)
+
+
+def test_dkdv_key_tiles_follow_the_one_consumer_config(monkeypatch):
+    from packattn.backends import triton_varlen as tv
+    monkeypatch.setenv(tb.ENV_DKDV, "32,64,3,4,ws")
+    monkeypatch.setattr(tv, "_gluon_bwd_possible", lambda q, k, v: True)
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    assert tv.dkdv_choice(q, q, q) == (64, 32, True)
+    assert tv.dkdv_blocks(q, q, q) == (64, 32)

@@ -51,7 +51,8 @@ class GluonBwdConfig:
     num_warps: int = 8  # (warp_specialize: the consumer warps; the launch adds the producer warp)
     # dK/dV: `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`, a 1-warp TMA producer and two
     # consumer warp groups of 64 keys (block_n 128, num_warps 8) with ~240 registers each (setmaxnreg),
-    # ready / empty mbarriers, no CTA barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
+    # or one (block_n 64, num_warps 4: two CTAs per SM, 232 registers), ready / empty mbarriers, no CTA
+    # barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
     # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8)
     warp_specialize: bool = False
     # (warp-specialised dK/dV and dQ) a grid of (ctas per SM) x (SMs) programs looping over the work items,
@@ -87,8 +88,20 @@ DQ_SHORT_CONFIGS = {128: GluonBwdConfig(128, 64, 4)}
 # consumers' 240 registers without spills (scripts/check_gluon_bwd_compile.py --kernels dkdv --config
 # 64,128,4,8,ws: every mask, bf16 / fp16, d 64 / 128; ~238 registers per consumer at d = 128, ~170 at d = 64);
 # d = 128 takes 64 KB (K, V) + 32 KB per stage of shared memory (195 KB at 4 stages), d = 64 half of it.
-DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True)],
-                        128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True)]}
+# One consumer warp group (block_n 64, num_warps 4, e.g. "32,64,3,4,ws"; `varlen_bwd_gluon_ws`, ONE CONSUMER):
+# 64-key tiles, <= ~113 KB of shared memory so that two CTAs share an SM (`dkdv_ws_resources`: ctas_per_sm 2,
+# maxnreg 128, consumer 232 registers), one CTA's K/V prologue and dK/dV epilogue hidden behind the other's
+# steps -- for short documents (W8: ~5 steps per 128-key tile, 31 waves of one CTA per SM), as the forward's
+# 64 x 64 one-warp-group config. Without spills for every mask, bf16 / fp16, d 64 / 128 and the tree mask
+# (consumer registers used at d = 128 / 64; shared memory at d = 128): (32, 64, 2 / 3 / 4 stages) ~200-206 /
+# ~135, 66 / 83 / 100 KB; (64, 64, 2 stages) 230 of 232 / ~170, 100 KB (tight: 64 queries per step hold S^T and
+# dP^T in 32 registers each); at d = 64 also (64, 64, 3 stages), 68 KB. Not persistent (refused). Built, not
+# yet run on a GPU.
+DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True),
+                             GluonBwdConfig(64, 64, 3, 4, True)],
+                        128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True),
+                              GluonBwdConfig(32, 64, 3, 4, True), GluonBwdConfig(32, 64, 4, 4, True),
+                              GluonBwdConfig(64, 64, 2, 4, True)]}
 DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[64],
                      128: [GluonBwdConfig(32, 128, 4), GluonBwdConfig(32, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[128]}
 # Warp-specialised dQ (",ws", `varlen_bwd_gluon_dq_ws`; the default at d = 128 since 2026-11-23, fifth session):
@@ -132,8 +145,12 @@ def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
 
 def dkdv_config(head_dim: int) -> GluonBwdConfig:
     """Blocks of the dK/dV kernel (``$PACKATTN_GLUON_DKDV_CONFIG`` overrides); its tile table is
-    ``tile_table(seqs, mask, True, cfg.block_n, cfg.block_m)``."""
-    return _config(ENV_DKDV, DKDV_CONFIGS, head_dim)
+    ``tile_table(seqs, mask, True, cfg.block_n, cfg.block_m)``. A warp-specialised config must be one
+    the kernel takes (`check_dkdv_ws_config`: ValueError otherwise, before a table is built)."""
+    cfg = _config(ENV_DKDV, DKDV_CONFIGS, head_dim)
+    if cfg.warp_specialize:
+        check_dkdv_ws_config(cfg)
+    return cfg
 
 
 def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
@@ -172,9 +189,26 @@ def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
 
 def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
     """Shared memory of one warp-specialised dK/dV CTA: K and V of the tile, the (Q, dO) ring, lse /
-    delta per ring slot, the consumers' query-position tables, the mbarriers."""
+    delta per ring slot, the consumers' query-position tables, the mbarriers (``kv_bar``, with two
+    consumers ``zero_bar``, the ring's)."""
+    consumers = cfg.block_n // 64
     return ((2 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * head_dim * element_size
-            + 4 * (2 * cfg.stages * cfg.block_m + 2 * cfg.block_m) + 8 * (2 + 2 * cfg.stages))
+            + 4 * (2 * cfg.stages * cfg.block_m + consumers * cfg.block_m) + 8 * (consumers + 2 * cfg.stages))
+
+
+def check_dkdv_ws_config(cfg: GluonBwdConfig) -> None:
+    """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
+    (block_n 128, num_warps 8), or one (block_n 64, num_warps 4; not persistent), 32 or 64 queries per step,
+    >= 2 stages."""
+    two = (cfg.block_n, cfg.num_warps) == (128, 8)
+    one = (cfg.block_n, cfg.num_warps) == (64, 4)
+    if not cfg.warp_specialize or not (one or two) or cfg.block_m not in (32, 64) or cfg.stages < 2:
+        raise ValueError(f"{cfg.label()}: the warp-specialised dK/dV kernel takes block_m 32 / 64, stages >= 2 and "
+                         "block_n 128 with num_warps 8 (two consumer warp groups) or block_n 64 with num_warps 4 "
+                         "(one), ws")
+    if one and cfg.persistent:
+        raise ValueError(f"{cfg.label()}: the persistent dK/dV grid needs two consumer warp groups "
+                         "(block_n 128, num_warps 8)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,9 +217,10 @@ def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     it for the forward (same SM constants, this kernel's shared memory): ``ctas_per_sm``, ``warps``
     (consumers + the producer warp, padded to warp groups), ``maxnreg`` (launch bound),
     ``consumer_regs`` / ``producer_regs`` (setmaxnreg of the partitions). At d = 128, block_n 128:
-    one CTA per SM, 12 warps, maxnreg 168, consumers 240, producer 24."""
-    if not cfg.warp_specialize or cfg.block_n != 128 or cfg.num_warps != 8:
-        raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_n 128, num_warps 8, ws")
+    one CTA per SM, 12 warps, maxnreg 168, consumers 240, producer 24. One consumer warp group
+    (block_n 64, num_warps 4) with <= ~113 KB of shared memory (at d = 128: 64,64,2 or 32,64,2 / 3 / 4):
+    two CTAs per SM, 8 warps each (the producer padded to a warp group), maxnreg 128, consumer 232."""
+    check_dkdv_ws_config(cfg)
     return ws_split(cfg.num_warps, dkdv_shared_bytes(cfg, head_dim))
 
 

@@ -1,9 +1,9 @@
 """Warp-specialised dK/dV backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
 Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dkdv_gluon_kernel` (read its module
-docstring): one program per (key tile of ``BLOCK_N = 128`` keys, kv head), tile-table rows
-``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` built by ``tile_table(seqs, mask, True, 128,
-BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
+docstring): one program per (key tile of ``BLOCK_N = 128`` keys -- or 64, ONE CONSUMER below --, kv
+head), tile-table rows ``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` built by ``tile_table(seqs,
+mask, True, BLOCK_N, BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
 ``m_lo + i * BLOCK_M`` of ``[m_lo, m_hi)``; the element mask only outside the fully visible band
 ``[mid_lo, mid_hi)``; Q / dO rows past ``len_q`` zeroed in shared memory before a wgmma reads them;
 dK (times ``scale``) and dV stored for rows inside the sequence only; no atomics (deterministic);
@@ -25,12 +25,12 @@ worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized fo
       expect + TMA Q[it], dO[it] -> ready[it % S]
 
 ``total = group_size * num_m_blocks``; step ``it`` is (query head ``it // num_m_blocks``, query block
-``it % num_m_blocks``) in all three partitions: every partition decodes the same tile-table row
+``it % num_m_blocks``) in all partitions: every partition decodes the same tile-table row
 and walks the steps in the same order (counters, no divisions), so ring slot ``it % STAGES`` and
 parity ``(it // STAGES) & 1`` agree. ``ready[slot]`` (count 1) completes when the TMA bytes have
 landed and the producer's cp.async of lse / delta are done (``cp.async.mbarrier.arrive`` adds its
-own pending arrival). ``empty[slot]`` has count 2: both consumers read the same Q / dO / stats
-slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass at once.
+own pending arrival). ``empty[slot]`` has count 2 (``CONSUMERS``): both consumers read the same Q /
+dO / stats slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass at once.
 
 Step ``it`` of one consumer (it enters and leaves with no wgmma in flight)::
 
@@ -78,6 +78,23 @@ queries ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only
 change (`_query_range_of_tree_keys` instead of `_query_range_of_keys`); the tile table
 (`triton_tree.build_key_tiles`: the queries ``[k_start, max key_end)`` of the tile, the band where
 every pair is visible), the unmasked band, the tails and the schedule are the varlen ones.
+
+ONE CONSUMER (``BLOCK_N = 64``, config ``num_warps = 4``, e.g. ``$PACKATTN_GLUON_DKDV_CONFIG=32,64,3,4,ws``;
+``CONSUMERS = BLOCK_N // 64``, a constexpr of the same kernel): consumer 0 alone, in the default
+partition, with the 1-warp producer as the only worker (padded to a warp group at launch: 8 warps).
+Sized for TWO CTAs per SM, so that one CTA's prologue (K / V TMA, first ring slots) and epilogue
+(dK / dV stores) hide behind the other's steps, and the causal diagonal wastes less (short documents,
+e.g. W8's 512-token ones: ~5 steps per 128-key tile): shared memory <= ~113 KB (d = 128: K / V 32
+KB, Q / dO 16 KB per stage of 32 queries), registers from `triton_fwd_gluon.ws_split` (2 CTAs x 8 warps:
+maxnreg 128, the consumer 232, the producer 24). At d = 128, 64 queries per step use 230 of the 232,
+and only because the epilogue's decode reads the grid size through `_opaque_num_programs` (shared
+with the first decode, the section size stays live across the loop and spills 4 B); ``BLOCK_M =
+32`` (S^T and dP^T 16 registers each) leaves room (~200-206 used). Differences to two consumers:
+``empty`` has count 1; the tail steps' Q and dO rows are both zeroed by consumer 0 (`_zero_v_tail`
+fences and synchronises its own warp group, whose wgmma are the only readers), with no
+``zero_bar`` rendezvous (the barrier is not allocated); one query-position table; the producer is
+unchanged (K / V tiles of ``BLOCK_N`` rows, the descriptors' block shape). Not with ``PERSISTENT``
+(static_assert; `triton_bwd_gluon.check_dkdv_ws_config` refuses such a config).
 
 ``PERSISTENT`` (a grid smaller than ``num_work = tiles x kv heads``, as the warp-specialised forward
 runs it): every partition walks the work items ``pid, pid + nprog, ...`` (`_dkdv_tile` with
@@ -188,28 +205,34 @@ def _count_tail(ntail, PERSISTENT: gl.constexpr):
 def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready, empty, zero_bar,
                   m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
     docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight. ``PERSISTENT``: ``ntail`` is the
     consumer's state word (`_tail_phase`), and consumer 0 zeroes both tails (Q and dO rows): a
-    tail address held by consumer 1 across the persistent loop would be one register too many."""
+    tail address held by consumer 1 across the persistent loop would be one register too many.
+    ``CONSUMERS == 1``: the only consumer zeroes both tails, no ``zero_bar`` rendezvous (``ntail``
+    unchanged)."""
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     q_buf = q_bufs.index(slot)
     do_buf = do_bufs.index(slot)
     stat = stats.index(slot)
     if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
-        if PERSISTENT:
-            if WG == 0:
-                _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-                _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-        elif WG == 0:
+        if CONSUMERS == 1:  # fence + barrier over this warp group inside: its own wgmma see the zeros
             _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-        else:
             _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-        mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's part is zero too
-        ntail = _count_tail(ntail, PERSISTENT)
+        else:
+            if PERSISTENT:
+                if WG == 0:
+                    _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+                    _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+            elif WG == 0:
+                _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+            else:
+                _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
+            mbarrier.arrive(zero_bar, count=1)
+            mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's part is zero too
+            ntail = _count_tail(ntail, PERSISTENT)
 
     s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_wg, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -243,7 +266,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
                   do_bufs, stats, kv_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  TREE: gl.constexpr, PERSISTENT: gl.constexpr):
+                  TREE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
     """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
     K / V have landed (``kv_bar`` phase ``kv_phase``). Without ``PERSISTENT`` the query-position
     table is filled here (the persistent loop fills it once); with it ``ntail`` is the consumer's
@@ -259,7 +282,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
     for it in range(step, step + total):
         dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
                                       empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout,
-                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, PERSISTENT)
+                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, PERSISTENT, CONSUMERS)
         m_start += BLOCK_M
         if m_start == m_end:
             m_start = m_lo
@@ -329,9 +352,9 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                       q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, WG: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
-    """Consumer warp group ``WG`` (4 warps): keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV;
-    with ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state
+                      PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): keys ``[64 WG, 64 WG + 64)`` of the
+    tile, their dK / dV; with ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state
     word, ring steps counted over the items, K / V released on ``kv_empty`` after the item's last
     step, dK / dV stored from registers)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
@@ -355,7 +378,7 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                               _opaque(window_left), _opaque(window_right), _opaque(chunk_size), k_wg,
                                               v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar,
                                               s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                                              HAS_CHUNK, TOP_LEFT, TREE, True)
+                                              HAS_CHUNK, TOP_LEFT, TREE, True, CONSUMERS)
                 mbarrier.arrive(kv_empty, count=1)  # last wgmma on K / V done: the next item's may load
                 step += total
                 state = state ^ KV_PHASE_BIT
@@ -378,12 +401,16 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                           total, len_q, len_kv, KeyEnd, qk_scale_log2, window_left, window_right,
                                           chunk_size, k_wg, v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty,
                                           zero_bar, s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, False)
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, False, CONSUMERS)
         # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+        if CONSUMERS == 1:  # (at 232 registers the section size, if shared with the first decode, spills)
+            nprog = _opaque_num_programs(num_heads_kv)
+        else:
+            nprog = gl.num_programs(0)
         seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
             _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                       _opaque_program_id(num_heads_kv), gl.num_programs(0), num_heads_kv, group_size,
-                       heads_per_section, BLOCK_M)
+                       _opaque_program_id(num_heads_kv), nprog, num_heads_kv, group_size, heads_per_section,
+                       BLOCK_M)
         first_key = k_start + WG * WG_KEYS
         if seq >= 0:
             # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
@@ -405,7 +432,7 @@ def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_off
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                       num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
                       q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES,
-                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)
+                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT, 2)
 
 
 # ---------------------------------------------------------------- kernel
@@ -430,44 +457,64 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     * num_heads_kv`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the
     argument is then unused), spread over a smaller grid with it (module docstring)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(BLOCK_N == 2 * WG_KEYS, "two consumer warp groups of 64 keys each")
+    gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
     gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
+    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS
+    gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     # per consumer: 0 .. BLOCK_M-1, the query positions of a block (see `_probs_t_ws`)
-    col_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    col_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # per ring slot: lse (BLOCK_M floats) then delta (BLOCK_M floats) of the slot's queries
     stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(zero_bar, count=2)
-    ready, empty = _ring_barriers(STAGES, 2)
+    if CONSUMERS == 2:
+        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(zero_bar, count=2)
+    else:  # the only consumer zeroes both tails: no rendezvous
+        mbarrier.init(kv_bar, count=1)
+        zero_bar = kv_bar  # (unused)
+    ready, empty = _ring_barriers(STAGES, CONSUMERS)
     if PERSISTENT:
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=2)  # both consumers are done with the item's K / V
     else:  # one work item per program: K / V are loaded once (and stage the epilogue)
         kv_empty = kv_bar  # (unused)
 
-    gl.warp_specialize([
-        (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                             stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty,
-                             zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
-                             PERSISTENT)),
-        (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                    group_size, heads_per_section, num_work, qk_scale_log2, scale, window_left,
-                                    window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats,
-                                    kv_bar, kv_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
-                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)),
-        (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
-                             row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                             heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
-                             ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+                                 stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                                 heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                                 chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready,
+                                 empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                 TOP_LEFT, TREE, PERSISTENT, CONSUMERS)),
+            (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                                        KeyEnd, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
+                                        num_heads_kv, group_size, heads_per_section, num_work, qk_scale_log2, scale,
+                                        window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
+                                        do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_M,
+                                        STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)),
+            (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
+                                 row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
+                                 heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
+                                 ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:  # one consumer warp group (keys 0..63) in the default partition; the launch pads the producer to 4 warps
+        gl.warp_specialize([
+            (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+                                 stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
+                                 heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                                 chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready,
+                                 empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                 TOP_LEFT, TREE, PERSISTENT, CONSUMERS)),
+            (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
+                                 row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
+                                 heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
+                                 ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+        ], [1], [PRODUCER_REGS])
