@@ -177,3 +177,19 @@ def test_dkdv_key_tiles_follow_the_one_consumer_config(monkeypatch):
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
     assert tv.dkdv_choice(q, q, q) == (64, 32, True)
     assert tv.dkdv_blocks(q, q, q) == (64, 32)
+
+
+@pytest.mark.parametrize("heads,blocks", [((16, 16), (64, 64)), ((16, 8), (64, 64)), ((32, 8), (128, 64)),
+                                          ((8, 1), (128, 64))])
+def test_dkdv_default_by_gqa_group(heads, blocks, monkeypatch):
+    """d = 128: one consumer (64-key tiles) unless the GQA group is DKDV_GQA_GROUP or more; the key tiles the
+    forward builds (dkdv_choice) and the launcher's default config agree."""
+    from packattn.backends import triton_varlen as tv
+
+    monkeypatch.delenv(tb.ENV_DKDV, raising=False)
+    monkeypatch.setattr(tv, "_gluon_bwd_possible", lambda q, k, v: True)
+    q = torch.zeros(8, heads[0], 128, dtype=torch.bfloat16)
+    k = torch.zeros(8, heads[1], 128, dtype=torch.bfloat16)
+    assert tv.dkdv_choice(q, k, k) == (*blocks, True)
+    cfg = tb.dkdv_config(128, heads[0] // heads[1])
+    assert (cfg.block_n, cfg.block_m) == blocks and cfg.warp_specialize

@@ -74,7 +74,15 @@ class GluonBwdConfig:
 # pass on sm_90 (`triton_varlen.use_gluon_dkdv`): 1.32-1.50x the Triton pass on W1/W2/W4/W8
 # (results/2026-11-23/ab_gluon_dkdv_ws_h200_W1.txt, ..._W2_W4_W8.txt). d = 64 keeps the
 # non-specialised kernel here (",ws" at d = 64 is correct but not timed), so the Triton pass runs there.
-DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 128, 2, 8, True)}
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 64, 2, 4, True)}
+# Since 2026-11-24 (eighth session) the d = 128 default is the one-consumer variant (64 keys per tile, two CTAs per
+# SM, below). H200 dK/dV kernel time, two consumers (64, 128, 2, 8, ws) -> one (64, 64, 2, 4, ws)
+# (results/2026-11-24/s8_dkdv_one_consumer_h200.txt, s8_dkdv_one_consumer_w2_w7_h200.txt): W8 437.9 -> 389.8 us,
+# 256-row documents 372.6 -> 319.7, 1024-row 606.0 -> 557.9, W1 1500.5 -> 1420.0, W3 1442 -> 1352, W4 3578 -> 3558,
+# W5 822 -> 748, W7 (tree) 3215 -> 3129, W6 1155 -> 1153; but W2 (GQA group 4) 2574 -> 2626, so GQA groups of 4
+# or more keep the two-consumer kernel (DKDV_GQA_CONFIGS: each 128-key tile walks group x blocks steps there).
+DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
+DKDV_GQA_GROUP = 4
 DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8, True)}
 # Short sequences (none longer than triton_varlen.SHORT_SEQLEN = 512 rows) at d = 128: the non-specialised dQ
 # (same blocks, so the same tile table). H200 dQ kernel time (results/2026-11-24/s8_short_docs_sweep_h200.txt),
@@ -92,11 +100,11 @@ DQ_SHORT_CONFIGS = {128: GluonBwdConfig(128, 64, 4)}
 # 64-key tiles, <= ~113 KB of shared memory so that two CTAs share an SM (`dkdv_ws_resources`: ctas_per_sm 2,
 # maxnreg 128, consumer 232 registers), one CTA's K/V prologue and dK/dV epilogue hidden behind the other's
 # steps -- for short documents (W8: ~5 steps per 128-key tile, 31 waves of one CTA per SM), as the forward's
-# 64 x 64 one-warp-group config. Without spills for every mask, bf16 / fp16, d 64 / 128 and the tree mask
+# 64 x 64 one-warp-group config (the default at d = 128, above). Without spills for every mask, bf16 / fp16, d 64 / 128 and the tree mask
 # (consumer registers used at d = 128 / 64; shared memory at d = 128): (32, 64, 2 / 3 / 4 stages) ~200-206 /
 # ~135, 66 / 83 / 100 KB; (64, 64, 2 stages) 230 of 232 / ~170, 100 KB (tight: 64 queries per step hold S^T and
-# dP^T in 32 registers each); at d = 64 also (64, 64, 3 stages), 68 KB. Not persistent (refused). Built, not
-# yet run on a GPU.
+# dP^T in 32 registers each); at d = 64 also (64, 64, 3 stages), 68 KB. Not persistent (refused). (32, 64, 3 / 4
+# stages) measured slower than (64, 64, 2) everywhere and slower than two consumers on W1.
 DKDV_WS_ALTERNATIVES = {64: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 2, 8, True),
                              GluonBwdConfig(64, 64, 3, 4, True)],
                         128: [GluonBwdConfig(64, 128, 4, 8, True), GluonBwdConfig(64, 128, 3, 8, True),
@@ -143,11 +151,13 @@ def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
     return table[head_dim]
 
 
-def dkdv_config(head_dim: int) -> GluonBwdConfig:
-    """Blocks of the dK/dV kernel (``$PACKATTN_GLUON_DKDV_CONFIG`` overrides); its tile table is
+def dkdv_config(head_dim: int, group: int = 1) -> GluonBwdConfig:
+    """Blocks of the dK/dV kernel for query heads per kv head ``group`` (``$PACKATTN_GLUON_DKDV_CONFIG``
+    overrides; `DKDV_GQA_CONFIGS` from `DKDV_GQA_GROUP`); its tile table is
     ``tile_table(seqs, mask, True, cfg.block_n, cfg.block_m)``. A warp-specialised config must be one
     the kernel takes (`check_dkdv_ws_config`: ValueError otherwise, before a table is built)."""
-    cfg = _config(ENV_DKDV, DKDV_CONFIGS, head_dim)
+    table = {**DKDV_CONFIGS, **DKDV_GQA_CONFIGS} if group >= DKDV_GQA_GROUP else DKDV_CONFIGS
+    cfg = _config(ENV_DKDV, table, head_dim)
     if cfg.warp_specialize:
         check_dkdv_ws_config(cfg)
     return cfg
@@ -265,7 +275,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
         dv.zero_()
         return
     lse, delta = lse.contiguous(), delta.contiguous()  # (`_descriptor` copies what TMA cannot read)
-    cfg = config if config is not None else dkdv_config(q.shape[-1])
+    cfg = config if config is not None else dkdv_config(q.shape[-1], q.shape[1] // k.shape[1])
     tree = key_end is not None
     if tree:
         if not cfg.warp_specialize:

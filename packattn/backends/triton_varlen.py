@@ -328,7 +328,7 @@ def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     an H200 (benchmarks/NOTES.md, v11). Depends only on dtypes, shapes, device and the environment, so
     the forward (which builds the tile table, `dkdv_blocks`) and the backward agree.
     ``PACKATTN_TRITON_BWD=triton`` keeps the Triton pass."""
-    return _gluon_dkdv_config(q, _gluon_bwd_possible(q, k, v)) is not None
+    return _gluon_dkdv_config(q, k, _gluon_bwd_possible(q, k, v)) is not None
 
 
 def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
@@ -339,7 +339,7 @@ def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def dkdv_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, bool]:
     """`dkdv_blocks` and whether the Gluon pass runs (`use_gluon_dkdv`)."""
-    cfg = _gluon_dkdv_config(q, _gluon_bwd_possible(q, k, v))
+    cfg = _gluon_dkdv_config(q, k, _gluon_bwd_possible(q, k, v))
     gluon = cfg is not None
     if not gluon:
         cfg = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
@@ -369,10 +369,10 @@ def _gluon_bwd_possible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
             and triton_bwd_gluon.gluon_bwd_eligible(q, k, v))
 
 
-def _gluon_dkdv_config(q: torch.Tensor, possible: bool):
+def _gluon_dkdv_config(q: torch.Tensor, k: torch.Tensor, possible: bool):
     """Gluon's `dkdv_config` when the Gluon dK/dV pass runs (`use_gluon_dkdv`), else None."""
     if possible:
-        cfg = triton_bwd_gluon.dkdv_config(q.shape[-1])
+        cfg = triton_bwd_gluon.dkdv_config(q.shape[-1], q.shape[1] // k.shape[1])
         if cfg.warp_specialize:
             return cfg
     return None
@@ -430,7 +430,7 @@ def _varlen_bwd(
     mask_args = (window_left, window_right, chunk_size)
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     gluon_possible = _gluon_bwd_possible(q, k, v)
-    dkdv_config = _gluon_dkdv_config(q, gluon_possible)
+    dkdv_config = _gluon_dkdv_config(q, k, gluon_possible)
     config = launch_config("dq", head_dim, q.dtype, q.device)
     dq_config = _gluon_dq_config(q, gluon_possible, config, short_seqs)
     delta = bwd_delta(out, dout, lse, dlse)
