@@ -228,14 +228,17 @@ def test_deterministic_backward_matches_brute_force(opts):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
 
 
-def test_backward_refuses_a_dkdv_pass_changed_after_the_forward(monkeypatch):
-    """The forward builds dK/dV key tiles for one pass (`dkdv_choice`); a backward that would run
-    another (the environment switches changed in between) stops with a clear error."""
+@pytest.mark.parametrize("pass_name", ["dkdv_choice", "dq_choice"])
+def test_backward_refuses_a_pass_changed_after_the_forward(monkeypatch, pass_name):
+    """The forward builds dK/dV key tiles and dQ query tiles for one pass each (`dkdv_choice`,
+    `dq_choice`); a backward that would run another (the environment switches changed in between)
+    stops with a clear error."""
     seqs, q, k, v, dout = make_inputs([37, 5], heads=(2, 1))
     out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)
-    block_n, block_m, gluon = triton_varlen.dkdv_choice(q, k, v)
-    monkeypatch.setattr(triton_varlen, "dkdv_choice", lambda *a: (2 * block_n, block_m, not gluon))
-    with pytest.raises(RuntimeError, match="changed between forward and backward"):
+    rows, cols, gluon = getattr(triton_varlen, pass_name)(q, k, v)
+    monkeypatch.setattr(triton_varlen, pass_name, lambda *a: (2 * rows, cols, not gluon))
+    name = "dK/dV" if pass_name == "dkdv_choice" else "dQ"
+    with pytest.raises(RuntimeError, match=f"the {name} pass changed between forward and backward"):
         torch.autograd.grad(out, (q, k, v), dout)
     monkeypatch.undo()
     out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)

@@ -315,11 +315,16 @@ def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return triton_fwd_gluon.gluon_fwd_supported(q, k, v)
 
 
-def use_gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: LaunchConfig) -> bool:
-    """The Gluon Hopper dQ pass (`packattn.kernels.varlen_bwd_gluon`) runs instead of the Triton one
-    where it can and its blocks are the Triton dQ config's (so the dQ tile table fits both): measured
-    1.01-1.19x the Triton dQ pass on W1/W2/W4/W8 (H200). ``PACKATTN_TRITON_BWD=triton`` keeps Triton."""
-    return _gluon_dq_config(q, _gluon_bwd_possible(q, k, v), config) is not None
+def dq_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> tuple[int, int, bool]:
+    """``(queries per tile, keys per step, gluon)`` of the dQ pass `varlen_bwd` runs on these tensors:
+    the Gluon Hopper dQ (`triton_bwd_gluon.dq_config`; measured 1.01-1.19x the Triton dQ pass on
+    W1/W2/W4/W8, H200) where it can, else the Triton one (``PACKATTN_TRITON_BWD=triton`` keeps Triton).
+    The forward builds the dQ tile table with these blocks, ``tile_table(seqs, mask, False, bm, bn)``."""
+    cfg = _gluon_dq_config(q, _gluon_bwd_possible(q, k, v), short_seqs)
+    gluon = cfg is not None
+    if not gluon:
+        cfg = launch_config("dq", q.shape[-1], q.dtype, q.device)
+    return cfg.block_m, cfg.block_n, gluon
 
 
 def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -350,15 +355,23 @@ def check_dkdv_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k:
                       v: torch.Tensor) -> None:
     """Raise when the backward would run another dK/dV pass than the one whose key tiles the forward
     built (``forward_choice``: `dkdv_choice` then): the environment switches changed in between."""
-    now = dkdv_choice(q, k, v)
+    _check_choice("dK/dV", "keys x", "queries", "PACKATTN_GLUON_DKDV_CONFIG", forward_choice, dkdv_choice(q, k, v))
+
+
+def check_dq_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    short_seqs: bool) -> None:
+    """`check_dkdv_choice` for the dQ pass and its query tiles (`dq_choice`)."""
+    _check_choice("dQ", "queries x", "keys", "PACKATTN_GLUON_DQ_CONFIG", forward_choice, dq_choice(q, k, v, short_seqs))
+
+
+def _check_choice(name: str, rows: str, cols: str, env: str, forward_choice: tuple, now: tuple) -> None:
     if now != forward_choice:
         def say(choice):
-            return f"{'Gluon' if choice[2] else 'Triton'} dK/dV with {choice[0]} keys x {choice[1]} queries"
+            return f"{'Gluon' if choice[2] else 'Triton'} {name} with {choice[0]} {rows} {choice[1]} {cols}"
 
         raise RuntimeError(
-            f"the dK/dV pass changed between forward and backward ({say(forward_choice)} -> {say(now)}): "
-            "PACKATTN_TRITON_BWD or PACKATTN_GLUON_DKDV_CONFIG was changed after the forward; set them "
-            "before the forward")
+            f"the {name} pass changed between forward and backward ({say(forward_choice)} -> {say(now)}): "
+            f"PACKATTN_TRITON_BWD or {env} was changed after the forward; set them before the forward")
 
 
 # The two backward decisions share their first test; `_varlen_bwd` makes it once per call and hands the
@@ -378,14 +391,9 @@ def _gluon_dkdv_config(q: torch.Tensor, k: torch.Tensor, possible: bool):
     return None
 
 
-def _gluon_dq_config(q: torch.Tensor, possible: bool, config: LaunchConfig, short_seqs: bool = False):
-    """Gluon's `dq_config` when the Gluon dQ pass runs (`use_gluon_dq`; ``config``: the Triton dQ
-    pass's, whose blocks the dQ tile table has), else None."""
-    if possible:
-        cfg = triton_bwd_gluon.dq_config(q.shape[-1], short_seqs)
-        if (cfg.block_m, cfg.block_n) == (config.block_m, config.block_n):
-            return cfg
-    return None
+def _gluon_dq_config(q: torch.Tensor, possible: bool, short_seqs: bool = False):
+    """Gluon's `dq_config` when the Gluon dQ pass runs (`dq_choice`), else None."""
+    return triton_bwd_gluon.dq_config(q.shape[-1], short_seqs) if possible else None
 
 
 def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
@@ -431,8 +439,7 @@ def _varlen_bwd(
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     gluon_possible = _gluon_bwd_possible(q, k, v)
     dkdv_config = _gluon_dkdv_config(q, k, gluon_possible)
-    config = launch_config("dq", head_dim, q.dtype, q.device)
-    dq_config = _gluon_dq_config(q, gluon_possible, config, short_seqs)
+    dq_config = _gluon_dq_config(q, gluon_possible, short_seqs)
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
@@ -447,6 +454,7 @@ def _varlen_bwd(
         return dq, dk, dv
     from packattn.kernels.varlen_bwd import bwd_dq_kernel
 
+    config = launch_config("dq", head_dim, q.dtype, q.device)
     common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
             dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args)
@@ -517,6 +525,7 @@ def _setup_context(ctx, inputs, output):
     window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
     ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
     ctx.short_seqs = bool(options[FWD_OPTIONS.index("short_seqs")])
+    ctx.dq_choice = dq_choice(q, k, v, ctx.short_seqs)  # what dq_tiles was built for (checked in the backward)
     ctx.dkdv_choice = dkdv_choice(q, k, v)  # what dkdv_tiles was built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
@@ -529,6 +538,7 @@ def _backward_through(bwd):
         q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = \
             ctx.saved_tensors
         check_dkdv_choice(ctx.dkdv_choice, q, k, v)
+        check_dq_choice(ctx.dq_choice, q, k, v, ctx.short_seqs)
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
@@ -584,8 +594,7 @@ class TritonVarlenBackend(TritonBackend):
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            dq = launch_config("dq", head_dim, q.dtype, q.device)
-            dq_tiles = tile_table(seqs, mask, False, dq.block_m, dq.block_n)
+            dq_tiles = tile_table(seqs, mask, False, *dq_choice(q, k, v, short_seqs)[:2])
             dkdv_tiles = tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))
         else:
             dq_tiles = dkdv_tiles = q_tiles[:0]

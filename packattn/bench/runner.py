@@ -20,13 +20,15 @@ def _do_bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _ceilings(device) -> dict:
-    """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate."""
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device)
+def _copy_TBps(x: torch.Tensor) -> float:
     y = torch.empty_like(x)
     ms = _do_bench(lambda: y.copy_(x))
-    copy = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
-    del x, y
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e12
+
+
+def _ceilings(device) -> dict:
+    """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate."""
+    copy = _copy_TBps(torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device))  # 2 GiB, freed after
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = _do_bench(lambda: a @ b)

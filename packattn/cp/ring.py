@@ -184,9 +184,7 @@ def _step_grads_triton(part: Part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, 
     sign = 1.0
     if scale < 0:  # the kernels need scale >= 0 (as in TritonVarlenBackend.run)
         q_s, scale, sign = -q_s, -scale, -1.0
-    head_dim = q_s.shape[-1]
-    dq_cfg = triton_varlen.launch_config("dq", head_dim, q_s.dtype, q_s.device)
-    dq_tiles = triton_varlen.tile_table(seqs, mask, False, dq_cfg.block_m, dq_cfg.block_n)
+    dq_tiles = triton_varlen.tile_table(seqs, mask, False, *triton_varlen.dq_choice(q_s, k_s, v_s)[:2])
     dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, *triton_varlen.dkdv_blocks(q_s, k_s, v_s))
     dq, dk, dv = triton_varlen.varlen_bwd_call(
         dout_s, dlse_s, q_s, k_s, v_s, out_g, lse_g.float().contiguous(), seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
