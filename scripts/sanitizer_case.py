@@ -1,7 +1,7 @@
 """A small Triton varlen forward + backward for compute-sanitizer (memcheck / racecheck):
 padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind; a
-sequence of >= 512 queries so that the Gluon forward runs too (on sm_90 the backward is Gluon
-anyway); then a small tree (the Gluon tree forward, dK/dV and dQ on sm_90).
+batch with a sequence of >= 512 queries and a short one (<= 512: the 64 x 64 Gluon forward and the
+short-sequence dQ), both with GQA 4/2 (the one-consumer dK/dV); then a small tree (the Gluon tree forward, dK/dV and dQ on sm_90).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitizer_case.py
 """
@@ -11,8 +11,11 @@ import torch
 import packattn
 
 torch.manual_seed(0)
-seqs = packattn.Varlen.from_lengths([0, 1, 37, 129, 600], [3, 1, 50, 129, 580], pad_to_multiple=16, device="cuda")
-for opts in ({"causal": True}, {"causal": "top_left", "window": (33, 5)}, {"causal": True, "chunk_size": 48}, {}):
+batches = [packattn.Varlen.from_lengths([0, 1, 37, 129, 600], [3, 1, 50, 129, 580], pad_to_multiple=16, device="cuda"),
+           packattn.Varlen.from_lengths([0, 1, 37, 129, 300], [3, 1, 50, 129, 290], pad_to_multiple=16, device="cuda")]
+for seqs, opts in [(seqs, opts) for seqs in batches  # the second batch is short: 64 x 64 forward, short dQ
+                   for opts in ({"causal": True}, {"causal": "top_left", "window": (33, 5)},
+                                {"causal": True, "chunk_size": 48}, {})]:
     q = torch.randn(seqs.total_q, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(seqs.total_kv, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(seqs.total_kv, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
