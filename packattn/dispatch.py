@@ -9,12 +9,12 @@ Environment overrides (read on every call, part of the cache key):
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from packattn import env
 from packattn.backends import REGISTRY
 from packattn.backends.base import Backend
 from packattn.mask import Mask
@@ -57,7 +57,7 @@ class NoBackendError(ValueError):
 
 
 def _env() -> tuple[str | None, frozenset[str]]:
-    raw = os.environ.get("PACKATTN_BACKEND", ""), os.environ.get("PACKATTN_DISABLE", "")
+    raw = env.get("PACKATTN_BACKEND", ""), env.get("PACKATTN_DISABLE", "")
     if torch.compiler.is_compiling():
         return _parse_env(*raw)
     parsed = _env_cache.get(raw)  # read on every call, parsed once per distinct value

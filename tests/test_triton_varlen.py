@@ -7,6 +7,7 @@ No bf16 here: the interpreter stores bf16 as raw 16-bit integers, so its bf16 do
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -235,8 +236,10 @@ def test_backward_refuses_a_pass_changed_after_the_forward(monkeypatch, pass_nam
     stops with a clear error."""
     seqs, q, k, v, dout = make_inputs([37, 5], heads=(2, 1))
     out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)
-    rows, cols, gluon = getattr(triton_varlen, pass_name)(q, k, v)
-    monkeypatch.setattr(triton_varlen, pass_name, lambda *a: (2 * rows, cols, not gluon))
+    plan = triton_varlen.bwd_plan(q, k, v)
+    rows, cols, gluon = getattr(plan, pass_name)
+    changed = dataclasses.replace(plan, **{pass_name: (2 * rows, cols, not gluon)})
+    monkeypatch.setattr(triton_varlen, "bwd_plan", lambda *a: changed)
     name = "dK/dV" if pass_name == "dkdv_choice" else "dQ"
     with pytest.raises(RuntimeError, match=f"the {name} pass changed between forward and backward"):
         torch.autograd.grad(out, (q, k, v), dout)

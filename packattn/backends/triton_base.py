@@ -4,16 +4,15 @@ interpreter on CPU."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from packattn import env
 from packattn.backends.base import Backend
 
 
 def interpreting() -> bool:
     """Triton's CPU interpreter is on (must be set before the kernel modules are imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.get("TRITON_INTERPRET") == "1"
 
 
 def device_unsupported(device_type: str) -> str | None:

@@ -33,12 +33,12 @@ Triton ``launch_dkdv(..., tree=True)`` otherwise.
 from __future__ import annotations
 
 import functools
-
-import os
 from dataclasses import dataclass
 
 import torch
 
+from packattn import env
+from packattn.backends import fast_launch
 from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, ws_grid, ws_split)
 
@@ -144,8 +144,8 @@ def parse_config(text: str) -> GluonBwdConfig:
     return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) >= 5, persistent=len(parts) == 6)
 
 
-def _config(env: str, table: dict, head_dim: int) -> GluonBwdConfig:
-    override = os.environ.get(env)
+def _config(name: str, table: dict, head_dim: int) -> GluonBwdConfig:
+    override = env.get(name)
     if override:
         return parse_config(override)
     return table[head_dim]
@@ -298,13 +298,13 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
             grid = (ws_grid(q.device, cfg, num_work, res),)
         if num_work + grid[0] >= 2**30:  # the persistent kernel packs the item index into 30 bits
             raise ValueError(f"too many dK/dV work items ({num_work})")
-        varlen_bwd_dkdv_gluon_ws_kernel[grid](*tensors, key_end, *scalars, section, num_work, **blocks, TREE=tree,
-                                              PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
-                                              PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
+        fast_launch.launch(varlen_bwd_dkdv_gluon_ws_kernel, grid, (*tensors, key_end, *scalars, section, num_work),
+                           dict(blocks, TREE=tree, PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
+                                PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
         return
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
 
-    varlen_bwd_dkdv_gluon_kernel[grid](*tensors, *scalars, **blocks, num_warps=cfg.num_warps)
+    fast_launch.launch(varlen_bwd_dkdv_gluon_kernel, grid, (*tensors, *scalars), dict(blocks, num_warps=cfg.num_warps))
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
@@ -339,13 +339,13 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
             grid = (ws_grid(q.device, cfg, num_work, res),)
         if num_work + grid[0] >= 2**30:  # the persistent kernel packs the item index into 30 bits
             raise ValueError(f"too many dQ work items ({num_work})")
-        varlen_bwd_dq_gluon_ws_kernel[grid](*args, section, num_work, **blocks, PERSISTENT=cfg.persistent,
-                                            CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-                                            num_warps=4, maxnreg=res["maxnreg"])
+        fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, grid, (*args, section, num_work),
+                           dict(blocks, PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
+                                PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
         return
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
 
-    varlen_bwd_dq_gluon_kernel[grid](*args, **blocks, num_warps=cfg.num_warps)
+    fast_launch.launch(varlen_bwd_dq_gluon_kernel, grid, args, dict(blocks, num_warps=cfg.num_warps))
 
 
 def gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,

@@ -35,10 +35,12 @@ Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLU
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
+
+from packattn import env
+from packattn.backends import fast_launch
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -149,7 +151,7 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False)
     ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`).
     ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
     overrides the table, for A/B runs."""
-    override = os.environ.get(ENV_CONFIG)
+    override = env.get(ENV_CONFIG)
     if override:
         return parse_config(override)
     if short_seqs and head_dim in SHORT_CONFIGS:
@@ -329,7 +331,7 @@ ENV_HEAD_SECTION = "PACKATTN_GLUON_HEAD_SECTION"
 def heads_per_section(heads_q: int, group_size: int) -> int:
     """Query heads per section of the work order: `HEAD_SECTION` (or ``$PACKATTN_GLUON_HEAD_SECTION``)
     kv-head groups, clipped to all heads and rounded down to a divisor of the kv heads."""
-    text = os.environ.get(ENV_HEAD_SECTION, "").strip()
+    text = env.get(ENV_HEAD_SECTION, "").strip()
     try:
         groups = int(text) if text else HEAD_SECTION
     except ValueError:
@@ -393,17 +395,15 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not cfg.warp_specialize:
         from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
 
-        varlen_fwd_gluon_kernel[(num_work,)](
-            *args, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
-            num_warps=cfg.num_warps,
-        )
+        fast_launch.launch(varlen_fwd_gluon_kernel, (num_work,), args, dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
+            num_warps=cfg.num_warps))
         return out, lse
     res = ws_resources(cfg, head_dim)
     section = heads_per_section(heads_q, heads_q // heads_kv)
-    varlen_fwd_gluon_ws_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
-        *args, num_work, section, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        **masks,
+    fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, cfg, num_work, res, max_programs),),
+                       (*args, num_work, section), dict(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"],
-    )
+        PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"]))
     return out, lse

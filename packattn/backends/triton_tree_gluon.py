@@ -19,10 +19,10 @@ overrides them for A/B runs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from packattn import env
+from packattn.backends import fast_launch
 from packattn.backends.triton_base import interpreting
 from packattn.backends.triton_fwd_gluon import (CONFIGS, LOG2E, GluonConfig, _as_tma_tensor, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, parse_config, shared_bytes,
@@ -34,7 +34,7 @@ ENV_TREE_CONFIG = "PACKATTN_GLUON_TREE_FWD_CONFIG"
 def tree_config(head_dim: int) -> GluonConfig:
     """The warp-specialised configuration of the tree forward at ``head_dim`` (``$PACKATTN_GLUON_TREE_FWD_CONFIG``
     overrides the table; it must name a warp-specialised one)."""
-    override = os.environ.get(ENV_TREE_CONFIG)
+    override = env.get(ENV_TREE_CONFIG)
     cfg = parse_config(override) if override else CONFIGS[head_dim]
     if not cfg.warp_specialize:
         raise ValueError(f"{ENV_TREE_CONFIG}={override!r}: the Gluon tree forward is warp-specialised only (add ',ws')")
@@ -61,7 +61,7 @@ def use_gluon_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     """Run `gluon_tree_fwd` instead of the Triton tree forward: CUDA sm_90, float16 / bfloat16, head
     dim 64 / 128, TMA-compatible tensors, not Triton's interpreter, and ``$PACKATTN_TRITON_FWD`` is
     not ``triton``."""
-    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_FWD") == "triton":
+    if interpreting() or not q.is_cuda or env.get("PACKATTN_TRITON_FWD") == "triton":
         return False
     return gluon_fwd_supported(q, k, v)
 
@@ -89,13 +89,12 @@ def gluon_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: t
         return out, lse
     cfg = config or tree_config(head_dim)
     res = tree_ws_resources(cfg, head_dim)
-    tree_fwd_gluon_kernel[(ws_grid(q.device, cfg, num_work, res, max_programs),)](
+    fast_launch.launch(tree_fwd_gluon_kernel, (ws_grid(q.device, cfg, num_work, res, max_programs),), (
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse,
         key_end.to(torch.int32).contiguous(), tiles, intervals, out.stride(0), out.stride(1), lse.stride(0),
         total, heads_q, heads_q // k.shape[1], scale * LOG2E, num_work,
-        heads_per_section(heads_q, heads_q // k.shape[1]),
+        heads_per_section(heads_q, heads_q // k.shape[1])), dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        num_warps=4, maxnreg=res["maxnreg"],
-    )
+        num_warps=4, maxnreg=res["maxnreg"]))
     return out, lse

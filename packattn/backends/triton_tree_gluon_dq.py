@@ -10,16 +10,16 @@ environment; ``PACKATTN_TRITON_BWD=triton`` keeps Triton. `gluon_tree_dq(...)` l
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from packattn import env
+from packattn.backends import fast_launch
 from packattn.backends.triton_base import interpreting
 
 
 def use_gluon_tree_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Run the Gluon tree dQ (module docstring) on these tensors?"""
-    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_BWD") == "triton":
+    if interpreting() or not q.is_cuda or env.get("PACKATTN_TRITON_BWD") == "triton":
         return False
     from packattn.backends.triton_bwd_gluon import dq_config, gluon_bwd_eligible
     from packattn.backends.triton_varlen import launch_config
@@ -67,10 +67,10 @@ def gluon_tree_dq(q, k, v, dout, lse, delta, dq, tiles, intervals, key_end, scal
     lse, delta = lse.contiguous(), delta.contiguous()
     cfg = dq_config(head_dim)
     res = tree_dq_ws_resources(cfg, head_dim)
-    tree_dq_gluon_ws_kernel[grid](
+    fast_launch.launch(tree_dq_gluon_ws_kernel, grid, (
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, intervals, key_end,
         dq.stride(0), dq.stride(1), lse.stride(0), total, heads_q, heads_q // k.shape[1],
-        heads_per_section(heads_q, heads_q // k.shape[1]), scale * LOG2E, scale,
+        heads_per_section(heads_q, heads_q // k.shape[1]), scale * LOG2E, scale), dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"])
+        CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))

@@ -20,14 +20,14 @@ exact float32 products (no TF32), slower than TF32 on tensor cores.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from packattn import env
 from packattn import mask as masks
-from packattn.backends import fast_op, triton_bwd_gluon, triton_fwd_gluon
+from packattn.backends import fast_launch, fast_op, triton_bwd_gluon, triton_fwd_gluon
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.varlen import Varlen
@@ -163,7 +163,7 @@ def _launch(kernel, grid, args, constexprs, config: LaunchConfig):
     stages = _reduced_stages.get(key, config.num_stages)
     while True:
         try:
-            kernel[grid](*args, **constexprs, num_warps=config.num_warps, num_stages=stages)
+            fast_launch.launch(kernel, grid, args, dict(constexprs, num_warps=config.num_warps, num_stages=stages))
             return
         except OutOfResources as e:
             if stages <= 1:
@@ -303,16 +303,40 @@ ENV_GLUON_MIN_SEQLEN = "PACKATTN_GLUON_MIN_SEQLEN"  # overrides GLUON_MIN_SEQLEN
 
 
 def gluon_min_seqlen() -> int:
-    return int(os.environ.get(ENV_GLUON_MIN_SEQLEN, GLUON_MIN_SEQLEN))
+    return int(env.get(ENV_GLUON_MIN_SEQLEN, GLUON_MIN_SEQLEN))
 
 
 def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`) runs instead of the Triton one
     where it can (sm_90, fp16/bf16, head dim 64/128): measured 1.00-1.13x faster on W1/W2/W4/W8 on
     an H200 (benchmarks/NOTES.md, v8). ``PACKATTN_TRITON_FWD=triton`` keeps the Triton forward."""
-    if interpreting() or not q.is_cuda or os.environ.get("PACKATTN_TRITON_FWD") == "triton":
+    if interpreting() or not q.is_cuda or env.get("PACKATTN_TRITON_FWD") == "triton":
         return False
     return triton_fwd_gluon.gluon_fwd_supported(q, k, v)
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """The two backward passes for some tensors (`bwd_plan`): the Gluon configs, None for the Triton pass,
+    and each pass's ``(rows per tile, columns per step, gluon)`` -- the blocks its tile table is built with."""
+    dkdv: triton_bwd_gluon.GluonBwdConfig | None
+    dq: triton_bwd_gluon.GluonBwdConfig | None
+    dkdv_choice: tuple[int, int, bool]  # (keys per tile, queries per step, gluon)
+    dq_choice: tuple[int, int, bool]  # (queries per tile, keys per step, gluon)
+
+
+def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> BwdPlan:
+    """The backward passes `varlen_bwd` runs on these tensors, decided once per call: the Gluon dK/dV
+    (`use_gluon_dkdv`) and dQ (`dq_choice`) passes where they can run, else the Triton ones. Depends only
+    on dtypes, shapes, device, ``short_seqs`` and the environment, so the forward (which builds the tile
+    tables) and the backward agree unless a switch changed in between (`check_plan`)."""
+    possible = _gluon_bwd_possible(q, k, v)
+    dkdv = _gluon_dkdv_config(q, k, possible)
+    dq = _gluon_dq_config(q, possible, short_seqs)
+    triton_dkdv = dkdv or launch_config("dkdv", q.shape[-1], q.dtype, q.device)
+    triton_dq = dq or launch_config("dq", q.shape[-1], q.dtype, q.device)
+    return BwdPlan(dkdv, dq, (triton_dkdv.block_n, triton_dkdv.block_m, dkdv is not None),
+                   (triton_dq.block_m, triton_dq.block_n, dq is not None))
 
 
 def dq_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> tuple[int, int, bool]:
@@ -320,11 +344,7 @@ def dq_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: boo
     the Gluon Hopper dQ (`triton_bwd_gluon.dq_config`; measured 1.01-1.19x the Triton dQ pass on
     W1/W2/W4/W8, H200) where it can, else the Triton one (``PACKATTN_TRITON_BWD=triton`` keeps Triton).
     The forward builds the dQ tile table with these blocks, ``tile_table(seqs, mask, False, bm, bn)``."""
-    cfg = _gluon_dq_config(q, _gluon_bwd_possible(q, k, v), short_seqs)
-    gluon = cfg is not None
-    if not gluon:
-        cfg = launch_config("dq", q.shape[-1], q.dtype, q.device)
-    return cfg.block_m, cfg.block_n, gluon
+    return bwd_plan(q, k, v, short_seqs).dq_choice
 
 
 def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -344,11 +364,7 @@ def dkdv_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def dkdv_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, bool]:
     """`dkdv_blocks` and whether the Gluon pass runs (`use_gluon_dkdv`)."""
-    cfg = _gluon_dkdv_config(q, k, _gluon_bwd_possible(q, k, v))
-    gluon = cfg is not None
-    if not gluon:
-        cfg = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
-    return cfg.block_n, cfg.block_m, gluon
+    return bwd_plan(q, k, v).dkdv_choice
 
 
 def check_dkdv_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k: torch.Tensor,
@@ -358,10 +374,11 @@ def check_dkdv_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k:
     _check_choice("dK/dV", "keys x", "queries", "PACKATTN_GLUON_DKDV_CONFIG", forward_choice, dkdv_choice(q, k, v))
 
 
-def check_dq_choice(forward_choice: tuple[int, int, bool], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    short_seqs: bool) -> None:
-    """`check_dkdv_choice` for the dQ pass and its query tiles (`dq_choice`)."""
-    _check_choice("dQ", "queries x", "keys", "PACKATTN_GLUON_DQ_CONFIG", forward_choice, dq_choice(q, k, v, short_seqs))
+def check_plan(forward_plan: BwdPlan, now: BwdPlan) -> None:
+    """`check_dkdv_choice` for both passes of a `bwd_plan` (the forward's, and the backward's ``now``)."""
+    _check_choice("dK/dV", "keys x", "queries", "PACKATTN_GLUON_DKDV_CONFIG", forward_plan.dkdv_choice,
+                  now.dkdv_choice)
+    _check_choice("dQ", "queries x", "keys", "PACKATTN_GLUON_DQ_CONFIG", forward_plan.dq_choice, now.dq_choice)
 
 
 def _check_choice(name: str, rows: str, cols: str, env: str, forward_choice: tuple, now: tuple) -> None:
@@ -378,7 +395,7 @@ def _check_choice(name: str, rows: str, cols: str, env: str, forward_choice: tup
 # configs to the Gluon launchers (each environment variable read once: these run on every call).
 def _gluon_bwd_possible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Not the interpreter, CUDA, no ``PACKATTN_TRITON_BWD=triton``, `gluon_bwd_eligible`."""
-    return (not interpreting() and q.is_cuda and os.environ.get("PACKATTN_TRITON_BWD") != "triton"
+    return (not interpreting() and q.is_cuda and env.get("PACKATTN_TRITON_BWD") != "triton"
             and triton_bwd_gluon.gluon_bwd_eligible(q, k, v))
 
 
@@ -426,7 +443,21 @@ def _varlen_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
-    on the H200 (benchmarks/NOTES.md), so there is one backward."""
+    on the H200 (benchmarks/NOTES.md), so there is one backward. The passes are `bwd_plan`'s."""
+    return _varlen_bwd_planned(bwd_plan(q, k, v, short_seqs), dout, dlse, q, k, v, out, lse, cu_seqlens_q,
+                               cu_seqlens_kv, row_offsets_q, row_offsets_kv, dq_tiles, dkdv_tiles, scale, window_left,
+                               window_right, chunk_size, top_left, padded_q, padded_kv, pad_rows_q, pad_rows_kv)
+
+
+def _varlen_bwd_planned(
+    plan: BwdPlan, dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, row_offsets_q: torch.Tensor, row_offsets_kv: torch.Tensor,
+    dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
+    scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
+    padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_varlen_bwd` running the passes of ``plan`` (`bwd_plan` of these tensors)."""
     dout, q, k, v, out = (_last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
                           _last_dim_contiguous(v), _last_dim_contiguous(out))
     lse = lse.contiguous()
@@ -437,9 +468,7 @@ def _varlen_bwd(
     dv = _new_output(v.shape, v.dtype, v.device, padded_kv, pad_rows_kv)
     mask_args = (window_left, window_right, chunk_size)
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    gluon_possible = _gluon_bwd_possible(q, k, v)
-    dkdv_config = _gluon_dkdv_config(q, k, gluon_possible)
-    dq_config = _gluon_dq_config(q, gluon_possible, short_seqs)
+    dkdv_config, dq_config = plan.dkdv, plan.dq
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
@@ -483,9 +512,10 @@ def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: to
     dlse = dlse.contiguous() if has_dlse else delta  # placeholder pointer when there is no dlse
     grid = (-(-total_q // PREPROCESS_BLOCK_M), heads_q)
     if grid[0] > 0:
-        bwd_preprocess_kernel[grid](out, dout, lse, dlse, delta, total_q, *out.stride()[:2],
-                                    *dout.stride()[:2], delta.stride()[0], HEAD_DIM=head_dim,
-                                    BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=has_dlse)
+        fast_launch.launch(bwd_preprocess_kernel, grid, (out, dout, lse, dlse, delta, total_q, *out.stride()[:2],
+                                                         *dout.stride()[:2], delta.stride()[0]),
+                           dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
+                                HAS_DLSE=has_dlse))
     return delta
 
 
@@ -525,23 +555,24 @@ def _setup_context(ctx, inputs, output):
     window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
     ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
     ctx.short_seqs = bool(options[FWD_OPTIONS.index("short_seqs")])
-    ctx.dq_choice = dq_choice(q, k, v, ctx.short_seqs)  # what dq_tiles was built for (checked in the backward)
-    ctx.dkdv_choice = dkdv_choice(q, k, v)  # what dkdv_tiles was built for (checked in the backward)
+    ctx.plan = bwd_plan(q, k, v, ctx.short_seqs)  # what dq_tiles / dkdv_tiles were built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
 
 def _backward_through(bwd):
-    """The backward of ``packattn::varlen_fwd`` computing its gradients with ``bwd`` (the
-    ``packattn::varlen_bwd`` op, or its implementation on the eager path)."""
+    """The backward of ``packattn::varlen_fwd`` computing its gradients with ``bwd(plan, *args)``: the
+    ``packattn::varlen_bwd`` op (which derives the plan again), or on the eager path its implementation
+    with the plan decided here (once per call: the backward runs on autograd's device thread, where host
+    time costs most)."""
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = \
             ctx.saved_tensors
-        check_dkdv_choice(ctx.dkdv_choice, q, k, v)
-        check_dq_choice(ctx.dq_choice, q, k, v, ctx.short_seqs)
+        plan = bwd_plan(q, k, v, ctx.short_seqs)
+        check_plan(ctx.plan, plan)
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
+        dq, dk, dv = bwd(plan, dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
                          dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv, ctx.short_seqs)
         # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
         return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
@@ -549,8 +580,9 @@ def _backward_through(bwd):
     return backward
 
 
-varlen_fwd.register_autograd(_backward_through(varlen_bwd), setup_context=_setup_context)
-_VarlenFwdEager = fast_op.eager_function(_varlen_fwd, _setup_context, _backward_through(_varlen_bwd))
+varlen_fwd.register_autograd(_backward_through(lambda plan, *args: varlen_bwd(*args)), setup_context=_setup_context)
+_VarlenFwdEager = fast_op.eager_function(_varlen_fwd, _setup_context,
+                                         _backward_through(lambda plan, *args: _varlen_bwd_planned(plan, *args[:-1])))
 
 
 def kernel_limits(params) -> str | None:
@@ -594,8 +626,9 @@ class TritonVarlenBackend(TritonBackend):
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            dq_tiles = tile_table(seqs, mask, False, *dq_choice(q, k, v, short_seqs)[:2])
-            dkdv_tiles = tile_table(seqs, mask, True, *dkdv_blocks(q, k, v))
+            plan = bwd_plan(q, k, v, short_seqs)
+            dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
+            dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
         else:
             dq_tiles = dkdv_tiles = q_tiles[:0]
         rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q

@@ -135,6 +135,33 @@ def test_backward_is_bitwise_deterministic(w1_lengths):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("lengths", [[512] * 16, [1000, 1, 0, 517, 2048, 37]], ids=["short", "mixed"])
+def test_fast_launches_equal_triton_launches(monkeypatch, lengths):
+    """`fast_launch` (the compiled launcher called directly on a cache hit) gives the bitwise results of
+    Triton's own launch path, for the forward, the preprocess and both backward passes; the inputs
+    are offset views too (pointers not 16-byte aligned must not reuse an aligned specialisation)."""
+    from packattn.backends import fast_launch
+
+    seqs = Varlen.from_lengths(lengths, device="cuda")
+    q, k, v, dout = inputs(seqs, 8, 2)
+    runs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("PACKATTN_FAST_LAUNCH", mode)
+        runs[mode] = [forward_backward(q, k, v, dout, seqs, "triton", causal=True) for _ in range(3)]
+    assert fast_launch._caches, "no launch went through the fast path's cache"
+    for got in runs["1"]:
+        for a, b in zip(got, runs["0"][0]):
+            assert torch.equal(a, b)
+    # the same tensors shifted by one element: Triton drops the alignment specialisation of the raw pointers
+    shifted = [torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x) for x in (q, k, v)]
+    shifted = [x.detach().requires_grad_() for x in shifted]
+    for mode in ("0", "1"):
+        monkeypatch.setenv("PACKATTN_FAST_LAUNCH", mode)
+        runs[mode] = forward_backward(*shifted, dout, seqs, "triton", causal=True)
+    for a, b in zip(runs["1"], runs["0"]):
+        assert torch.equal(a, b)
+
+
 def test_no_host_sync_in_forward_and_backward(w1_lengths):
     warm = Varlen.from_lengths([300, 200], device="cuda")  # compile the kernels outside the check
     forward_backward(*inputs(warm, 16, 4), warm, "triton", causal=True)
