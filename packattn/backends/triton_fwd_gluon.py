@@ -214,7 +214,11 @@ def gluon_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
 
 
 def _as_tma_tensor(x: torch.Tensor) -> torch.Tensor:
-    return x if _tma_compatible(x) else x.contiguous()
+    """``x``, or a copy TMA can read (`_tma_compatible`): contiguous, on a fresh (aligned) allocation."""
+    if _tma_compatible(x):
+        return x
+    copy = x.contiguous()
+    return copy if copy is not x and _tma_compatible(copy) else x.clone(memory_format=torch.contiguous_format)
 
 
 def _descriptor(x: torch.Tensor, block_rows: int):
@@ -223,8 +227,7 @@ def _descriptor(x: torch.Tensor, block_rows: int):
     read as zeros; rows of other sequences are masked in the kernel."""
     tma = _tma_compatible(x)
     if not tma:
-        x = x.contiguous()
-        tma = _tma_compatible(x)
+        x, tma = _as_tma_tensor(x), True
     rows, heads, d = x.shape
     args = (x, [rows, heads * d], [x.stride()[0], 1], [block_rows, d], _smem_layout((block_rows, d), x.dtype))
     if tma and rows > 0 and heads > 0:  # the per-tensor checks of TensorDescriptor pass
