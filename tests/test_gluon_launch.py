@@ -148,6 +148,16 @@ def test_descriptor_copies_what_tma_cannot_read():
     assert desc.shape == [40, 4 * 64] and desc.strides == [4 * 64, 1]
 
 
+def test_descriptor_copies_a_contiguous_but_misaligned_tensor():
+    """A packed view starting 2 bytes into its storage: ``contiguous()`` returns it unchanged, so the
+    copy must be a fresh allocation (TMA needs a 16-byte aligned base)."""
+    x = torch.randn(40 * 4 * 64 + 1, dtype=torch.float16)[1:].view(40, 4, 64)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    desc = tg._descriptor(x, 64)
+    assert desc.base.data_ptr() % 16 == 0 and torch.equal(desc.base, x)
+    assert tg._as_tma_tensor(x).data_ptr() % 16 == 0
+
+
 
 @pytest.mark.parametrize("text", ["64,64,2,4,ws", "32,64,3,4,ws", "32,64,4,4,ws"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -193,3 +203,65 @@ def test_dkdv_default_by_gqa_group(heads, blocks, monkeypatch):
     assert tv.dkdv_choice(q, k, k) == (*blocks, True)
     cfg = tb.dkdv_config(128, heads[0] // heads[1])
     assert (cfg.block_n, cfg.block_m) == blocks and cfg.warp_specialize
+
+
+@pytest.mark.parametrize("text,d", [("64,64,2,4,ws", 128), ("64,64,2,4,ws", 64), ("64,64,3,4,ws", 64),
+                                    ("64,64,4,4,ws", 64), ("64,128,2,4,ws", 64)])
+def test_one_consumer_dq_launches_two_ctas_per_sm(text, d, monkeypatch):
+    # one program per (64-query tile, query head): 5 tiles x 32 query heads
+    grid, args, kwargs = _launch_ws("dq", text, 5, 32, 8, d, monkeypatch)
+    cfg = tb.parse_config(text)
+    assert grid == (160,) and args[-1] == 160
+    assert kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 128 and kwargs["BLOCK_M"] == 64
+    assert kwargs["BLOCK_N"] == cfg.block_n and kwargs["PERSISTENT"] is False
+    assert kwargs["CONSUMER_REGS"] == 232 and kwargs["PRODUCER_REGS"] == 24
+    q_desc, k_desc, v_desc, do_desc = args[:4]  # Q / dO tiles of 64 rows, K / V blocks of block_n rows
+    assert list(q_desc.block_shape) == list(do_desc.block_shape) == [64, d]
+    assert list(k_desc.block_shape) == list(v_desc.block_shape) == [cfg.block_n, d]
+    res = tb.dq_ws_resources(cfg, d)
+    assert res["ctas_per_sm"] == 2 and res["warps"] == 8 and res["consumer_regs"] == 232, res
+    assert tb.dq_ws_shared_bytes(cfg, d) <= 113 * 1024
+
+
+def test_one_consumer_dq_shared_memory_and_resources():
+    # d = 128: Q + dO of 64 rows 32 KB, each (K, V) slot of 64 keys 32 KB, one q_bar (no zero_bar), 2 x stages ring
+    cfg = tb.parse_config("64,64,2,4,ws")
+    assert tb.dq_ws_shared_bytes(cfg, 128) == 96 * 1024 + 8 * (1 + 2 * 2)
+    # 3 stages (128 KB) do not fit two CTAs: one CTA per SM, ws_split gives the consumer the whole 256
+    res = tb.dq_ws_resources(tb.parse_config("64,64,3,4,ws"), 128)
+    assert res["ctas_per_sm"] == 1 and res["maxnreg"] == 256 and res["consumer_regs"] == 256, res
+    # the two-consumer numbers (also the tree dQ's base) are unchanged: q_bar + zero_bar + 2 x stages ring
+    assert tb.dq_ws_shared_bytes(tb.parse_config("128,64,4,8,ws"), 128) == 192 * 1024 + 8 * (2 + 2 * 4)
+    res = tb.dq_ws_resources(tb.parse_config("128,64,4,8,ws"), 128)
+    assert (res["ctas_per_sm"], res["warps"], res["maxnreg"], res["consumer_regs"]) == (1, 12, 168, 240)
+
+
+@pytest.mark.parametrize("text", ["64,64,2,4,ws,persistent", "64,64,2,8,ws", "128,64,2,4,ws", "32,64,2,4,ws",
+                                  "64,32,2,4,ws", "64,64,1,4,ws", "128,32,4,8,ws"])
+def test_one_consumer_dq_refuses_bad_configs(text, monkeypatch):
+    with pytest.raises(ValueError, match="dQ"):
+        _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch)
+    with pytest.raises(ValueError, match="dQ"):
+        tb.check_dq_ws_config(tb.parse_config(text))
+    monkeypatch.setenv(tb.ENV_DQ, text)
+    with pytest.raises(ValueError, match="dQ"):
+        tb.dq_config(128)
+
+
+def test_dq_ws_alternatives_are_valid_and_one_consumer_ones_fit_two_ctas():
+    for d, configs in tb.DQ_WS_ALTERNATIVES.items():
+        for cfg in configs:
+            tb.check_dq_ws_config(cfg)
+            if cfg.block_m == 64:
+                assert tb.dq_ws_resources(cfg, d)["ctas_per_sm"] == 2, (d, cfg)
+    # the defaults stay two-consumer (or non-specialised) configs
+    assert all(cfg.block_m == 128 for cfg in (*tb.DQ_CONFIGS.values(), *tb.DQ_SHORT_CONFIGS.values()))
+
+
+def test_dq_query_tiles_follow_the_one_consumer_config(monkeypatch):
+    from packattn.backends import triton_varlen as tv
+    monkeypatch.setenv(tb.ENV_DQ, "64,64,2,4,ws")
+    monkeypatch.setattr(tv, "_gluon_bwd_possible", lambda q, k, v: True)
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    assert tv.dq_choice(q, q, q) == (64, 64, True)
+    assert tb.dq_config(128) == tb.GluonBwdConfig(64, 64, 2, 4, warp_specialize=True)

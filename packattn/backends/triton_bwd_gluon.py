@@ -53,7 +53,8 @@ class GluonBwdConfig:
     # consumer warp groups of 64 keys (block_n 128, num_warps 8) with ~240 registers each (setmaxnreg),
     # or one (block_n 64, num_warps 4: two CTAs per SM, 232 registers), ready / empty mbarriers, no CTA
     # barrier in the loop; dQ: `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel`,
-    # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8)
+    # the same with two consumer warp groups of 64 queries (block_m 128, num_warps 8) or one (block_m 64,
+    # num_warps 4)
     warp_specialize: bool = False
     # (warp-specialised dK/dV and dQ) a grid of (ctas per SM) x (SMs) programs looping over the work items,
     # the next item's K/V (dK/dV, `varlen_bwd_gluon_ws`) or Q/dO (dQ, `varlen_bwd_gluon_dq_ws`) load
@@ -122,9 +123,22 @@ DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[6
 # ",ws,persistent" (`varlen_bwd_gluon_dq_ws`, PERSISTENT: ctas_per_sm x SMs programs loop over the work items, as
 # the persistent WS dK/dV) compiles without spills for (128, 64, 3 or 4 stages), every mask, d 64 / 128; built, not
 # yet measured on a GPU, so off by default ($PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent selects it).
-DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True)],
+# One consumer warp group (block_m 64, num_warps 4, e.g. "64,64,2,4,ws"; `varlen_bwd_gluon_dq_ws`, ONE CONSUMER), as the
+# one-consumer dK/dV above: 64-query tiles, <= ~113 KB of shared memory so that two CTAs share an SM (`dq_ws_resources`:
+# ctas_per_sm 2, maxnreg 128, consumer 232 registers), one CTA's Q/dO prologue and dQ epilogue hidden behind the other's
+# steps. Shared memory: 64 queries of Q + dO and each (K, V) ring slot of 64 keys take 32 KB each at d = 128, 16 KB at
+# d = 64: at d = 128 only (64, 64, 2 stages) fits two CTAs (96 KB; 3 stages take 128 KB: one CTA per SM, `ws_split` then
+# gives maxnreg 256, which ptxas ignores with a warning, and the consumer 256 registers: not listed), at d = 64 (64, 64,
+# 2 / 3 / 4 stages) and (64, 128, 2 stages) do (48-80 KB). Without spills or ptxas warnings for every mask, bf16 / fp16
+# (consumer registers used of 232; compiled shared memory): d = 128 (64, 64, 2) 175-183, 98540 B; d = 64 (64, 64,
+# 2 / 3 / 4) 137-152, 49388 / 65804 / 82188 B, (64, 128, 2) 203-217, 82156 B. Not persistent (refused:
+# `check_dq_ws_config`). The dQ tile table follows the config's blocks (`triton_varlen.dq_choice`); the tree dQ
+# (`use_gluon_tree_dq`) only runs 128 x 64 tiles. Built, not yet run on a GPU.
+DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True),
+                           GluonBwdConfig(64, 64, 2, 4, True), GluonBwdConfig(64, 64, 3, 4, True),
+                           GluonBwdConfig(64, 64, 4, 4, True), GluonBwdConfig(64, 128, 2, 4, True)],
                       128: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 64, 3, 8, True),
-                            GluonBwdConfig(128, 128, 2, 8, True)]}
+                            GluonBwdConfig(128, 128, 2, 8, True), GluonBwdConfig(64, 64, 2, 4, True)]}
 DQ_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DQ_WS_ALTERNATIVES[64],
                    128: [GluonBwdConfig(128, 64, 3), GluonBwdConfig(128, 32, 4), GluonBwdConfig(64, 64, 3, 4)]
                    + DQ_WS_ALTERNATIVES[128]}
@@ -166,12 +180,12 @@ def dkdv_config(head_dim: int, group: int = 1) -> GluonBwdConfig:
 def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
     """Blocks of the dQ kernel (``$PACKATTN_GLUON_DQ_CONFIG`` overrides; ``short_seqs``: no sequence
     longer than `triton_varlen.SHORT_SEQLEN`, `DQ_SHORT_CONFIGS`); its tile table is
-    ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
+    ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``. A warp-specialised config must be one the
+    kernel takes (`check_dq_ws_config`: ValueError otherwise, before a table is built)."""
     table = {**DQ_CONFIGS, **DQ_SHORT_CONFIGS} if short_seqs else DQ_CONFIGS
     cfg = _config(ENV_DQ, table, head_dim)
-    if cfg.warp_specialize and (cfg.block_m != 128 or cfg.num_warps != 8 or cfg.block_n not in (64, 128)):
-        raise ValueError(f"{ENV_DQ}: the warp-specialised dQ kernel takes block_m 128, block_n 64 or 128, "
-                         f"num_warps 8 (got {cfg.label()})")
+    if cfg.warp_specialize:
+        check_dq_ws_config(cfg)
     return cfg
 
 
@@ -235,8 +249,26 @@ def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
 
 
 def dq_ws_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
-    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile, the (K, V) ring, the mbarriers."""
-    return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
+    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile, the (K, V) ring, the mbarriers
+    (``q_bar``, with two consumers ``zero_bar``, the ring's)."""
+    consumers = cfg.block_m // 64
+    return ((2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size
+            + 8 * (consumers + 2 * cfg.stages))
+
+
+def check_dq_ws_config(cfg: GluonBwdConfig) -> None:
+    """Raise ValueError unless the warp-specialised dQ kernel takes ``cfg``: two consumer warp groups
+    (block_m 128, num_warps 8), or one (block_m 64, num_warps 4; not persistent), 64 or 128 keys per step,
+    >= 2 stages."""
+    two = (cfg.block_m, cfg.num_warps) == (128, 8)
+    one = (cfg.block_m, cfg.num_warps) == (64, 4)
+    if not cfg.warp_specialize or not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:
+        raise ValueError(f"{cfg.label()}: the warp-specialised dQ kernel takes block_n 64 / 128, stages >= 2 and "
+                         "block_m 128 with num_warps 8 (two consumer warp groups) or block_m 64 with num_warps 4 "
+                         "(one), ws")
+    if one and cfg.persistent:
+        raise ValueError(f"{cfg.label()}: the persistent dQ grid needs two consumer warp groups "
+                         "(block_m 128, num_warps 8)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,9 +276,11 @@ def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     """Register split of the warp-specialised dQ kernel (`varlen_bwd_gluon_dq_ws`), as `dkdv_ws_resources`:
     ``ctas_per_sm``, ``warps``, ``maxnreg``, ``consumer_regs``, ``producer_regs``. At d = 128 (block_m 128,
     block_n 64 with 4 stages or 128 with 2: ~192 KB of shared memory): one CTA per SM, 12 warps, maxnreg
-    168, consumers 240, producer 24."""
-    if not cfg.warp_specialize or cfg.block_m != 128 or cfg.num_warps != 8 or cfg.block_n not in (64, 128):
-        raise ValueError(f"{cfg}: the warp-specialised dQ kernel takes block_m 128, block_n 64 / 128, num_warps 8, ws")
+    168, consumers 240, producer 24. One consumer warp group (block_m 64, num_warps 4) with <= ~113 KB of
+    shared memory (at d = 128: 64,64,2; at d = 64: 64,64,2 / 3 / 4 and 64,128,2): two CTAs per SM, 8 warps
+    each (the producer padded to a warp group), maxnreg 128, consumer 232. The config must be one the kernel
+    takes (`check_dq_ws_config`)."""
+    check_dq_ws_config(cfg)
     return ws_split(cfg.num_warps, dq_ws_shared_bytes(cfg, head_dim))
 
 

@@ -1,12 +1,13 @@
 """Warp-specialised dQ backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
 Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dq_gluon_kernel` (read its module
-docstring): one program per (query tile of ``BLOCK_M = 128`` queries, query head), tile-table rows
-``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` built by ``tile_table(seqs, mask, False, 128,
-BLOCK_N)``, key blocks ``n_lo + j * BLOCK_N`` of ``[n_lo, n_hi)`` in order; kv head ``head //
-group_size``; the element mask only outside the fully visible band ``[n_mid_lo, n_mid_hi)``; K / V
-rows past ``len_kv`` zeroed in shared memory before a wgmma reads them; dQ (times ``scale``) stored
-for rows inside the sequence only; no atomics (deterministic); queries that see no key get dQ = 0.
+docstring): one program per (query tile of ``BLOCK_M = 128`` queries -- or 64, ONE CONSUMER below --,
+query head), tile-table rows ``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` built by
+``tile_table(seqs, mask, False, BLOCK_M, BLOCK_N)``, key blocks ``n_lo + j * BLOCK_N`` of ``[n_lo,
+n_hi)`` in order; kv head ``head // group_size``; the element mask only outside the fully visible
+band ``[n_mid_lo, n_mid_hi)``; K / V rows past ``len_kv`` zeroed in shared memory before a wgmma
+reads them; dQ (times ``scale``) stored for rows inside the sequence only; no atomics
+(deterministic); queries that see no key get dQ = 0.
 Selected by ``GluonBwdConfig.warp_specialize`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws``) in
 `packattn.backends.triton_bwd_gluon`. The partitions, barriers and register split are those of
 `packattn.kernels.varlen_bwd_gluon_ws` (dK/dV) with the roles of queries and keys swapped.
@@ -24,8 +25,8 @@ worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized fo
 
 Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._work_item`, ``num_blocks
 = 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot
-``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` has count 2: both consumers
-read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
+``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` has count 2 (``CONSUMERS``): both
+consumers read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
 at once.
 
 Step ``j`` of one consumer, ``CARRY_DS`` (``STAGES >= 3``: the schedule of the non-specialised
@@ -63,6 +64,37 @@ the slot cannot be refilled before both consumers release it. Query rows past ``
 as TMA read them) only produce dQ rows that are never stored.
 
 A tile with ``num_blocks == 0`` loads nothing and stores zeros (``seq < 0``: stores nothing).
+
+ONE CONSUMER (``BLOCK_M = 64``, config ``num_warps = 4``, e.g. ``$PACKATTN_GLUON_DQ_CONFIG=64,64,2,4,ws``;
+``CONSUMERS = BLOCK_M // 64``, a constexpr of the same kernel), as the one-consumer dK/dV
+(`varlen_bwd_gluon_ws`, ONE CONSUMER): consumer 0 alone, in the default partition, with the 1-warp
+producer as the only worker (padded to a warp group at launch: 8 warps, ``.reqntid 256``). Sized for
+TWO CTAs per SM, so that one CTA's prologue (Q / dO TMA, first ring slots, lse / delta loads) and
+epilogue (dQ stores) hide behind the other's steps -- short documents, whose tiles have few key
+blocks: shared memory <= ~113 KB (Q / dO 32 KB at d = 128 and each (K, V) slot of 64 keys 32 KB: 96 KB
+at 2 stages; d = 64 half of it), registers from `triton_fwd_gluon.ws_split` (2 CTAs x 8 warps: maxnreg
+128, the consumer 232, the producer 24). Differences to two consumers, all decided by the constexpr:
+
+* ``empty[slot]`` has count 1: the consumer's one arrival per ring step (after the wgmma that last read
+  the slot: ``dQ[j-1]`` with ``CARRY_DS``, ``dQ[j]`` without) releases the slot; ring slots, parities
+  and the producer are otherwise unchanged (``q_desc`` / ``do_desc`` blocks of ``BLOCK_M = 64`` rows,
+  so ``q_bar``'s expected bytes are those of the 64-row tiles).
+* Tail block: the consumer zeroes both the K and the V rows past ``len_kv`` (two `_zero_v_tail`, each
+  ending with ``fence.proxy.async`` and a barrier over this warp group, the slot's only reader) before it
+  issues the S / dP wgmma; no ``zero_bar`` rendezvous (the barrier is not allocated; ``ntail`` stays 0).
+* One query block of 64 rows: ``q_wg`` / ``do_wg`` are the whole Q / dO buffers; the epilogue stages dQ
+  through them as before.
+* Not with ``PERSISTENT`` (static_assert; `triton_bwd_gluon.check_dq_ws_config` refuses such a config).
+
+The two-consumer code is unchanged by this (PTX identical for the existing configs, persistent and tree
+included, ``.loc`` / debug sections aside). sm_90a compile (scripts/check_gluon_bwd_compile.py --kernels
+dq --config 64,64,2,4,ws, ...): every mask, bf16 / fp16, no spills, no ptxas warnings, the overlap check
+passes; consumer registers used (of 232) and shared memory per CTA: d = 128, (64, 64, 2 stages) 175-183,
+98540 B; d = 64, (64, 64, 2 / 3 / 4 stages) 137-147 / 142-152 / 142-152, 49388 / 65804 / 82188 B, (64,
+128, 2 stages) 203-217, 82156 B. At d = 128, (64, 64, 3 / 4 stages) and (64, 128, 2 stages) take 128-160
+KB: one CTA per SM, for which `ws_split` gives maxnreg 256 and ptxas warns ("Too many maxnreg", ignored);
+no spills there either (196-204 / 192-197 / 240-249 of 256), but they defeat the purpose and are not
+listed in `triton_bwd_gluon.DQ_WS_ALTERNATIVES`. Built, not yet run on a GPU.
 
 ``PERSISTENT`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent``; a grid of ``ctas_per_sm x
 SMs`` programs, `triton_fwd_gluon.ws_grid`, smaller than ``num_work = tiles x query heads``), as the
@@ -173,10 +205,11 @@ def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seq
                     q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     PERSISTENT: gl.constexpr):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
-    slot ``j % STAGES`` once both consumers released block ``j - STAGES`` there. ``PERSISTENT``: for
-    each work item ``pid, pid + nprog, ...`` with blocks, its first ``min(num_blocks, STAGES)`` blocks,
-    then Q / dO once both consumers released the previous item's on ``q_empty``, then the other
-    blocks (ring steps and Q / dO loads counted over the items, as the consumers count them)."""
+    slot ``j % STAGES`` once the consumers (both, or the only one) released block ``j - STAGES`` there.
+    ``PERSISTENT`` (two consumers only): for each work item ``pid, pid + nprog, ...`` with blocks, its
+    first ``min(num_blocks, STAGES)`` blocks, then Q / dO once both consumers released the previous
+    item's on ``q_empty``, then the other blocks (ring steps and Q / dO loads counted over the items,
+    as the consumers count them)."""
     if PERSISTENT:
         step = 0  # ring steps issued so far
         state = _opaque_program_id(num_work)  # work item | parity of the Q / dO loads issued so far (`ITEM_MASK`)
@@ -232,26 +265,31 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
                 chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
-                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False):
+                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
     """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
     ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
     dQ product here. ``TREE``: the tree mask (`_probs_tree`, ``key_ends``: the ring of the blocks'
     ``key_end``), else the varlen masks (``key_ends`` unused). ``PERSISTENT``: ``ntail`` is the
-    consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). Returns
-    ``(dq, ds, ntail)`` with no wgmma in flight."""
+    consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). ``CONSUMERS
+    == 1`` (module docstring, ONE CONSUMER): the only consumer zeroes both tails (K and V rows), no
+    ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight."""
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     k_buf = k_bufs.index(slot)
     v_buf = v_bufs.index(slot)
     if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
-        if WG == 0:
+        if CONSUMERS == 1:  # fence + barrier over this warp group inside: its own wgmma see the zeros
             _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-        else:
             _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-        mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's half is zero too
-        ntail = _count_tail(ntail, PERSISTENT)
+        else:
+            if WG == 0:
+                _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
+            else:
+                _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
+            mbarrier.arrive(zero_bar, count=1)
+            mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's half is zero too
+            ntail = _count_tail(ntail, PERSISTENT)
 
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -288,7 +326,8 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                   zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                   chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False):
+                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False,
+                  CONSUMERS: gl.constexpr = 2):
     """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
     n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group (``step``: 0, or with
     ``PERSISTENT`` the ring steps of the program's earlier items, and ``ntail`` the state word): with
@@ -300,13 +339,14 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
         dq, ds, ntail = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
                                     zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                                     window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False, PERSISTENT)
+                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False, PERSISTENT,
+                                    CONSUMERS)
         for b in range(1, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, True, True, PERSISTENT)
+                                        TOP_LEFT, False, True, True, PERSISTENT, CONSUMERS)
         last = (step + num_blocks - 1) % STAGES
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
@@ -316,7 +356,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, False, False, PERSISTENT)
+                                        TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS)
     return dq, ntail
 
 
@@ -326,7 +366,7 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
                   k_bufs, v_bufs, q_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
     """One tile with ``num_blocks >= 1`` key blocks, ring steps ``step ...``: this warp group's lse / delta
     / query positions, wait for Q / dO (``q_bar`` phase ``q_phase``), the blocks (`_dq_ws_blocks`).
     Returns ``(dq, ntail)``, no wgmma in flight."""
@@ -339,7 +379,7 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
     return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready,
                          empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left,
                          window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)
+                         HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS)
 
 
 @gluon.jit
@@ -368,11 +408,12 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                     qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
                     q_bar, q_empty, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Consumer warp group ``WG`` (4 warps): queries ``[64 WG, 64 WG + 64)`` of the tile, their dQ; with
-    ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state word, ring
-    steps counted over the items, Q / dO released on ``q_empty`` after the item's last wgmma, dQ
-    stored from registers)."""
+                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr,
+                    CONSUMERS: gl.constexpr):
+    """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
+    the tile, their dQ; with ``PERSISTENT`` (two consumers only) for each work item ``pid, pid + nprog,
+    ...`` (module docstring: one state word, ring steps counted over the items, Q / dO released on
+    ``q_empty`` after the item's last wgmma, dQ stored from registers)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
@@ -394,7 +435,8 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                                           qk_scale_log2, _opaque(window_left), _opaque(window_right),
                                           _opaque(chunk_size), q_wg, do_wg, k_bufs,
                                           v_bufs, q_bar, ready, empty, zero_bar, s_layout, o_layout, WG, BLOCK_N,
-                                          HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True)
+                                          HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True,
+                                          CONSUMERS)
                 mbarrier.arrive(q_empty, count=1)  # last wgmma on Q / dO done: the next item's may load
                 step += num_blocks
                 state = state ^ Q_PHASE_BIT
@@ -417,7 +459,7 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                                       len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
                                       window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
                                       zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT,
-                                      HAS_CHUNK, TOP_LEFT, False)
+                                      HAS_CHUNK, TOP_LEFT, False, CONSUMERS)
 
         # decoded again: the loads are cheaper than holding these scalars in registers across the loop
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
@@ -443,18 +485,22 @@ def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, r
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
                     qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
                     q_bar, q_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                    HAS_CHUNK, TOP_LEFT, PERSISTENT)
+                    HAS_CHUNK, TOP_LEFT, PERSISTENT, 2)
 
 
 # ---------------------------------------------------------------- kernel
 @gluon.jit
 def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                   CONSUMERS: gl.constexpr = 2):
     """Shared memory and barriers of a warp-specialised dQ kernel (this module's and the tree's,
-    `tree_dq_gluon_ws`), initialised: ``(q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready,
-    empty)``; ``empty`` counts both consumers, ``zero_bar`` their tail rendezvous."""
+    `tree_dq_gluon_ws`, which always has two consumers), initialised: ``(q_smem, do_smem, k_bufs,
+    v_bufs, q_bar, zero_bar, ready, empty)``; ``empty`` counts the ``CONSUMERS`` consumer warp groups,
+    ``zero_bar`` is the two consumers' tail rendezvous (with one consumer not allocated: ``q_bar`` is
+    returned in its place, unused)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warp groups of 64 queries each")
+    gl.static_assert((CONSUMERS == 1) | (CONSUMERS == 2), "one or two consumer warp groups")
+    gl.static_assert(BLOCK_M == CONSUMERS * WG_ROWS, "consumer warp groups of 64 queries each")
     gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "key block: 64 or 128 rows")
     gl.static_assert(STAGES >= 2, "ring of at least two (K, V) slots")
 
@@ -463,10 +509,14 @@ def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(zero_bar, count=2)
-    ready, empty = _ring_barriers(STAGES, 2)
+    if CONSUMERS == 2:
+        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(zero_bar, count=2)
+    else:  # the only consumer zeroes both tails: no rendezvous
+        mbarrier.init(q_bar, count=1)
+        zero_bar = q_bar  # (unused)
+    ready, empty = _ring_barriers(STAGES, CONSUMERS)
     return q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty
 
 
@@ -487,26 +537,45 @@ def varlen_bwd_dq_gluon_ws_kernel(
     `triton_bwd_gluon.dq_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M,
     HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``num_work = tiles.shape[0] *
     num_heads_q`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the argument is
-    then unused), spread over a smaller grid with it (module docstring)."""
+    then unused), spread over a smaller grid with it (module docstring). ``BLOCK_M`` 128: two consumer
+    warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``)."""
+    CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
+    gl.static_assert((BLOCK_M == WG_ROWS) | (BLOCK_M == 2 * WG_ROWS), "one or two consumer warp groups of 64 queries")
+    gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
-        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps, CONSUMERS)
     if PERSISTENT:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)  # both consumers are done with the item's Q / dO
     else:  # one work item per program: Q / dO are loaded once (and stage the epilogue)
         q_empty = q_bar  # (unused)
-    gl.warp_specialize([
-        (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                           num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem,
-                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N, STAGES,
-                           HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)),
-        (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                  stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                  heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                                  chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar,
-                                  HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT)),
-        (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                           row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
-                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
+                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
+                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
+                               CONSUMERS)),
+            (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                                      row_offsets_kv, stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q,
+                                      group_size, heads_per_section, num_work, qk_scale_log2, scale, window_left,
+                                      window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
+                                      empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                      TOP_LEFT, PERSISTENT)),
+            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
+                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4 warps
+        gl.warp_specialize([
+            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
+                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
+                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
+                               CONSUMERS)),
+            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
+                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
+        ], [1], [PRODUCER_REGS])
