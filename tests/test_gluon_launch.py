@@ -254,8 +254,9 @@ def test_dq_ws_alternatives_are_valid_and_one_consumer_ones_fit_two_ctas():
             tb.check_dq_ws_config(cfg)
             if cfg.block_m == 64:
                 assert tb.dq_ws_resources(cfg, d)["ctas_per_sm"] == 2, (d, cfg)
-    # the defaults stay two-consumer (or non-specialised) configs
-    assert all(cfg.block_m == 128 for cfg in (*tb.DQ_CONFIGS.values(), *tb.DQ_SHORT_CONFIGS.values()))
+    # the defaults: two consumers, one for short sequences at d = 128
+    assert all(cfg.block_m == 128 for cfg in tb.DQ_CONFIGS.values())
+    assert tb.DQ_SHORT_CONFIGS[128] == tb.parse_config("64,64,2,4,ws")
 
 
 def test_dq_query_tiles_follow_the_one_consumer_config(monkeypatch):

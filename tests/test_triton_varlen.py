@@ -442,8 +442,8 @@ def test_fast_op_uses_the_op_for_tensor_subclasses_and_under_compile(monkeypatch
 @pytest.mark.parametrize("length,short", [(512, True), (513, False)])
 def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     """No sequence longer than SHORT_SEQLEN: the forward op is told ``short_seqs`` (which picks the
-    short-sequence Gluon forward and dQ configs on a GPU); the short dQ config keeps the default's blocks
-    (the dQ tile table is built before the backward knows the config)."""
+    short-sequence Gluon forward and dQ configs on a GPU; the forward builds the dQ tile table for the
+    config `dq_choice` names with ``short_seqs``)."""
     from packattn.backends import triton_bwd_gluon, triton_fwd_gluon
 
     captured = {}
@@ -458,6 +458,6 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert captured["short_seqs"] == short
     assert triton_varlen.SHORT_SEQLEN == 512
     short_dq, dq = triton_bwd_gluon.dq_config(128, True), triton_bwd_gluon.dq_config(128)
-    assert (short_dq.block_m, short_dq.block_n) == (dq.block_m, dq.block_n) and short_dq != dq
+    assert short_dq != dq and short_dq == triton_bwd_gluon.DQ_SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]

@@ -85,10 +85,14 @@ DKDV_CONFIGS = {64: GluonBwdConfig(64, 128, 4), 128: GluonBwdConfig(64, 64, 2, 4
 DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
 DKDV_GQA_GROUP = 4
 DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8, True)}
-# Short sequences (none longer than triton_varlen.SHORT_SEQLEN = 512 rows) at d = 128: the non-specialised dQ
-# (same blocks, so the same tile table). H200 dQ kernel time (results/2026-11-24/s8_short_docs_sweep_h200.txt),
-# causal documents of 256 / 512 / 1024 rows: 294.4 -> 258.5, 345.7 -> 329.4, 446.2 -> 484.5 us.
-DQ_SHORT_CONFIGS = {128: GluonBwdConfig(128, 64, 4)}
+# Short sequences (none longer than triton_varlen.SHORT_SEQLEN = 512 rows) at d = 128: the one-consumer WS dQ
+# (64-query tiles, two CTAs per SM; the forward builds the dQ tile table with these blocks, `triton_varlen.dq_choice`).
+# H200 dQ kernel time, 32768 tokens of causal documents of 256 / 512 (W8) / 1024 rows: eighth session, the
+# non-specialised (128, 64, 4) against (128, 64, 4, 8, ws): 294.4 -> 258.5, 345.7 -> 329.4, 446.2 -> 484.5 us
+# (results/2026-11-24/s8_short_docs_sweep_h200.txt); ninth session, (128, 64, 4) -> (64, 64, 2, 4, ws): 259.0 ->
+# 260.3, 330.8 -> 318.8, and 1024 rows 449.3 (128, 64, 4, 8, ws) -> 430.5, but W1 986.3 -> 1021.2
+# (results/2026-11-24/s9_dq_one_consumer_h200.txt).
+DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
