@@ -15,6 +15,7 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
     python scripts/check_gluon_bwd_compile.py --kernels dq dkdv --persistent   # persistent WS dQ and dK/dV
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
     python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: WS dK/dV (TREE) and tree dQ
+    python scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o   # one-consumer WS dQ, DELTA_FROM_O
 
 ``--tree`` compiles the tree variants (`packattn.backends.triton_tree`) instead of the mask
 combinations: the warp-specialised dK/dV kernel with ``TREE=True`` and the tree dQ kernel
@@ -25,6 +26,13 @@ d = 128); other configs are reported as skipped.
 compiles the warp-specialised dQ and dK/dV kernels with ``PERSISTENT``; variants whose config is not
 warp-specialised (the launchers' at d = 64) and the tree dQ (no persistent mode) are reported as
 skipped, e.g. ``--kernels dq --config 128,64,4,8,ws,persistent`` for both head dims.
+
+``--delta-from-o`` compiles the one-consumer warp-specialised dQ kernel with ``DELTA_FROM_O`` (it computes
+delta = rowsum(dO O) from an O tile loaded with Q / dO and writes it; `varlen_bwd_gluon_dq_ws`): the
+short-sequence config (`triton_bwd_gluon.DQ_SHORT_CONFIGS`, d = 128) unless ``--config`` names another
+one-consumer config (``64,64,2,4,ws``, ``64,64,3,4,ws``, ... at d = 64); other variants are reported as
+skipped. For every warp-specialised variant the line gives the launcher's ``ctas_per_sm`` (from its
+shared-memory estimate) and flags a compiled size that fits fewer CTAs per SM.
 """
 
 from __future__ import annotations
@@ -108,15 +116,29 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[-1500:]}"
 
 
+def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from_o: bool = False) -> dict:
+    """The launcher's register split / occupancy (`triton_fwd_gluon.ws_split` of its shared-memory estimate)
+    for a warp-specialised variant."""
+    if kernel == "dkdv":
+        return tb.dkdv_ws_resources(cfg, head_dim)
+    if tree:
+        return tree_dq_ws_resources(cfg, head_dim)
+    return tb.dq_ws_resources(cfg, head_dim, delta_from_o)
+
+
 def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False,
-                    persistent: bool = False):
+                    persistent: bool = False, delta_from_o: bool = False):
     """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
     the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``persistent``: the
     warp-specialised dK/dV or dQ kernel's persistent variant (``PERSISTENT``, always set for both: a
-    constexpr left out would be compiled as a runtime argument)."""
+    constexpr left out would be compiled as a runtime argument); ``delta_from_o``: the one-consumer
+    warp-specialised dQ kernel with ``DELTA_FROM_O`` (an O descriptor of ``BLOCK_M`` rows; without it the
+    WS dQ kernel gets ``DELTA_FROM_O=False`` and ``o_desc=None``, as `gluon_launch_dq` passes them)."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
+    if delta_from_o and (kernel != "dq" or tree or not cfg.warp_specialize or cfg.block_m != 64):
+        raise ValueError("DELTA_FROM_O is a variant of the one-consumer warp-specialised dQ kernel (block_m 64, ws)")
     if tree and (mask or not cfg.warp_specialize):
         raise ValueError("the tree variants are warp-specialised kernels without another mask")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
@@ -124,23 +146,28 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
                       TREE=tree, num_warps=cfg.num_warps)
     options = {"num_warps": cfg.num_warps, "num_stages": 1}
     if cfg.warp_specialize:  # as `gluon_launch_dkdv` / `gluon_launch_dq` launch it
+        res = ws_resources(kernel, cfg, head_dim, tree, delta_from_o)
         if kernel == "dkdv":
-            fn, res = varlen_bwd_dkdv_gluon_ws_kernel, tb.dkdv_ws_resources(cfg, head_dim)
+            fn = varlen_bwd_dkdv_gluon_ws_kernel
         elif tree:  # as `triton_tree_gluon_dq.gluon_tree_dq` launches it
-            fn, res = tree_dq_gluon_ws_kernel, tree_dq_ws_resources(cfg, head_dim)
+            fn = tree_dq_gluon_ws_kernel
         else:
-            fn, res = varlen_bwd_dq_gluon_ws_kernel, tb.dq_ws_resources(cfg, head_dim)
+            fn = varlen_bwd_dq_gluon_ws_kernel
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
         if fn in (varlen_bwd_dkdv_gluon_ws_kernel, varlen_bwd_dq_gluon_ws_kernel):
             constexprs.update(PERSISTENT=persistent)
         elif persistent:
             raise ValueError("the tree dQ kernel has no persistent mode")
+        if fn is varlen_bwd_dq_gluon_ws_kernel:
+            constexprs.update(DELTA_FROM_O=delta_from_o)
+            if not delta_from_o:
+                constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("q_desc", "do_desc"):
+        elif name in ("q_desc", "do_desc", "o_desc"):
             signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
         elif name in ("k_desc", "v_desc"):
             signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
@@ -220,6 +247,9 @@ def main() -> int:
     parser.add_argument("--persistent", action="store_true",
                         help="the warp-specialised dK/dV and dQ kernels with PERSISTENT (persistent grid; "
                              "also implied by a --config ending in ,ws,persistent)")
+    parser.add_argument("--delta-from-o", action="store_true",
+                        help="the one-consumer warp-specialised dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) "
+                             "in the kernel; the short-sequence config unless --config, other configs skipped)")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
     persistent = args.persistent or bool(config and config.persistent)
@@ -240,9 +270,17 @@ def main() -> int:
                     if persistent and args.tree and kernel == "dq":
                         print(f"{label}: skipped (the tree dQ has no persistent mode)", flush=True)
                         continue
+                    variant_config = config
+                    if args.delta_from_o:
+                        variant_config = config or tb.dq_config(head_dim, short_seqs=True)
+                        if (kernel != "dq" or args.tree or persistent or not variant_config.warp_specialize
+                                or variant_config.block_m != 64):
+                            print(f"{label}: skipped (DELTA_FROM_O: the one-consumer warp-specialised dQ only)",
+                                  flush=True)
+                            continue
                     try:
-                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, config, args.tree,
-                                                        persistent)
+                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, variant_config, args.tree,
+                                                        persistent, args.delta_from_o)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -257,12 +295,21 @@ def main() -> int:
                     # warp-specialised: (setmaxnreg budget, registers touched, SASS instructions) per partition
                     regions = sass_register_regions(compiled.asm["cubin"]) if cfg.warp_specialize else []
                     over = [r for r in regions if r[1] > r[0]]
-                    bad = (shared > SHARED_LIMIT or not ok or bool(warnings) or bool(over)
+                    # CTAs per SM: the launcher's (its shared-memory estimate) and what the compiled size allows
+                    occupancy, ctas_off = "", False
+                    if cfg.warp_specialize:
+                        planned = ws_resources(kernel, cfg, head_dim, args.tree, args.delta_from_o)["ctas_per_sm"]
+                        fits = tb.ws_split(cfg.num_warps, shared)["ctas_per_sm"]
+                        ctas_off = fits < planned
+                        occupancy = (f" ctas_per_sm={planned}" + (f" BUT THE COMPILED SIZE FITS {fits}"
+                                                                  if ctas_off else ""))
+                    bad = (shared > SHARED_LIMIT or not ok or bool(warnings) or bool(over) or ctas_off
                            or (spills and int(spills.group(1)) > 0))
                     failures += bool(bad)
                     print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
-                          f"warps={cfg.num_warps}{' ws' if cfg.warp_specialize else ''} shared={shared}"
-                          f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''} | {usage}", flush=True)
+                          f"warps={cfg.num_warps}{' ws' if cfg.warp_specialize else ''}"
+                          f"{' DELTA_FROM_O' if args.delta_from_o else ''} shared={shared}"
+                          f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''}{occupancy} | {usage}", flush=True)
                     print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
                     if regions:
                         print("    partitions (setmaxnreg budget: registers used / SASS instructions): "
@@ -275,7 +322,8 @@ def main() -> int:
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
                                                        f"{'_ws' if cfg.warp_specialize else ''}"
-                                                       f"{'_persistent' if persistent else ''}")
+                                                       f"{'_persistent' if persistent else ''}"
+                                                       f"{'_delta_from_o' if args.delta_from_o else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:
                                 f.write(compiled.asm[ext])

@@ -73,9 +73,11 @@ class _RecordingKernel:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d: int, monkeypatch, sms: int = 132):
+def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d: int, monkeypatch, sms: int = 132,
+               **dq_options):
     """Launch the warp-specialised dQ or dK/dV pass with config ``text`` on CPU tensors (tile table of
-    ``tiles`` rows) against a recording kernel on a fake device of ``sms`` SMs: ``(grid, args, kwargs)``."""
+    ``tiles`` rows) against a recording kernel on a fake device of ``sms`` SMs: ``(grid, args, kwargs)``.
+    ``dq_options``: more keyword arguments of `gluon_launch_dq` (``delta_from_o``, ``out``)."""
     from packattn.kernels import varlen_bwd_gluon_dq_ws, varlen_bwd_gluon_ws
 
     module, name = ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel") if kind == "dq"
@@ -93,7 +95,7 @@ def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d:
     seq_args = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(4))
     if kind == "dq":
         tb.gluon_launch_dq(q, k, v, dout, lse, delta, torch.empty_like(q), table, seq_args, 0.1, (-1, 0, 0), False,
-                           config=cfg)
+                           config=cfg, **dq_options)
     else:
         tb.gluon_launch_dkdv(q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v), table, seq_args,
                              0.1, (-1, 0, 0), False, config=cfg)
@@ -266,3 +268,77 @@ def test_dq_query_tiles_follow_the_one_consumer_config(monkeypatch):
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
     assert tv.dq_choice(q, q, q) == (64, 64, True)
     assert tb.dq_config(128) == tb.GluonBwdConfig(64, 64, 2, 4, warp_specialize=True)
+
+
+# ---------------------------------------------------------------- DELTA_FROM_O (one-consumer WS dQ)
+@pytest.mark.parametrize("text,d", [("64,64,2,4,ws", 128), ("64,64,2,4,ws", 64), ("128,64,4,8,ws", 128),
+                                    ("128,64,4,8,ws,persistent", 128)])
+def test_dq_ws_launch_without_delta_from_o_passes_no_o_descriptor(text, d, monkeypatch):
+    """The default: ``DELTA_FROM_O=False`` and ``o_desc=None`` (a Triton constant: the kernel's parameters
+    and PTX are those of the kernel before DELTA_FROM_O existed)."""
+    _, args, kwargs = _launch_ws("dq", text, 5, 32, 8, d, monkeypatch)
+    assert kwargs["DELTA_FROM_O"] is False
+    assert args[4] is None
+    lse, delta = args[5], args[6]  # Lse, Delta follow the descriptors
+    assert lse.dtype == delta.dtype == torch.float32 and lse.shape == delta.shape == (32, 256)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_delta_from_o_launch_passes_an_o_descriptor(d, monkeypatch):
+    out = torch.full((256, 32, d), 3.0, dtype=torch.bfloat16)
+    grid, args, kwargs = _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, d, monkeypatch, delta_from_o=True, out=out)
+    assert kwargs["DELTA_FROM_O"] is True and kwargs["PERSISTENT"] is False
+    do_desc, o_desc = args[3:5]
+    assert o_desc.base is out  # O itself (contiguous, aligned: no copy), not dO
+    assert list(o_desc.block_shape) == list(do_desc.block_shape) == [64, d]
+    assert o_desc.shape == do_desc.shape == [256, 32 * d] and o_desc.layout == do_desc.layout
+    assert grid == (160,) and args[-1] == 160
+    # the O tile (16 KB at d = 128) still leaves two CTAs per SM and the register split of the kernel without it
+    res = tb.dq_ws_resources(tb.parse_config("64,64,2,4,ws"), d, True)
+    assert res == tb.dq_ws_resources(tb.parse_config("64,64,2,4,ws"), d)
+    assert res["ctas_per_sm"] == 2 and kwargs["maxnreg"] == res["maxnreg"] == 128
+    assert kwargs["CONSUMER_REGS"] == 232 and kwargs["PRODUCER_REGS"] == 24
+
+
+def test_dq_delta_from_o_shared_memory():
+    cfg = tb.parse_config("64,64,2,4,ws")
+    # Q + dO + O of 64 rows (48 KB at d = 128), two (K, V) slots of 64 keys (64 KB), q_bar + the ring's 4 barriers
+    assert tb.dq_ws_shared_bytes(cfg, 128, delta_from_o=True) == 112 * 1024 + 8 * (1 + 2 * 2)
+    assert tb.dq_ws_shared_bytes(cfg, 128, delta_from_o=True) - tb.dq_ws_shared_bytes(cfg, 128) == 64 * 128 * 2
+    # two CTAs per SM need <= SM_SHARED / 2 - 1 KB each; the compiled kernel takes 114940 B (scripts/
+    # check_gluon_bwd_compile.py --kernels dq --delta-from-o): 772 B to spare
+    limit = tg.SM_SHARED // 2 - 1024
+    assert limit == 115712 and tb.dq_ws_shared_bytes(cfg, 128, delta_from_o=True) <= limit
+    assert tg.ws_split(4, 114940)["ctas_per_sm"] == 2
+
+
+@pytest.mark.parametrize("text", ["128,64,4,8,ws", "128,128,2,8,ws", "128,64,4,8,ws,persistent", "128,64,4,8",
+                                  "64,64,3,4"])
+def test_dq_delta_from_o_refuses_other_configs(text, monkeypatch):
+    out = torch.zeros(256, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one-consumer"):
+        _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch, delta_from_o=True, out=out)
+    assert not tb.one_consumer_dq(tb.parse_config(text))
+    assert tb.one_consumer_dq(tb.parse_config("64,64,2,4,ws")) and tb.one_consumer_dq(tb.DQ_SHORT_CONFIGS[128])
+    assert not tb.one_consumer_dq(None)
+
+
+def test_dq_delta_from_o_needs_out_and_a_writable_delta(monkeypatch):
+    with pytest.raises(ValueError, match="out"):
+        _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, 128, monkeypatch, delta_from_o=True)
+    with pytest.raises(ValueError, match="out"):  # O shaped like dO
+        _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, 128, monkeypatch, delta_from_o=True,
+                   out=torch.zeros(256, 32, 64, dtype=torch.bfloat16))
+    kernel = _RecordingKernel()
+    from packattn.kernels import varlen_bwd_gluon_dq_ws
+    monkeypatch.setattr(varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel", kernel)
+    q = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(4, 256)
+    delta = torch.zeros(256, 4).t()  # lse's shape, not contiguous: a copy would be written, not this tensor
+    seq_args = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        tb.gluon_launch_dq(q, q, q, q, lse, delta, torch.empty_like(q), torch.zeros(5, 6, dtype=torch.int32),
+                           seq_args, 0.1, (-1, 0, 0), False, config=tb.parse_config("64,64,2,4,ws"),
+                           delta_from_o=True, out=q)
+    assert kernel.launches == []
+

@@ -461,3 +461,112 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert short_dq != dq and short_dq == triton_bwd_gluon.DQ_SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
+
+
+# ---------------------------------------------------------------- delta from O in the one-consumer Gluon dQ pass
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` appends ``(name, args, kwargs)`` to ``log``."""
+
+    def __init__(self, log, name):
+        self.log, self.name, self.__name__ = log, name, name  # (`_launch` keys retries by kernel name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, args, kwargs))
+
+
+def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse):
+    """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
+    every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
+    from packattn.backends import triton_bwd_gluon as tb
+    from packattn.backends import triton_fwd_gluon
+    from packattn.kernels import (
+        varlen_bwd,
+        varlen_bwd_gluon,
+        varlen_bwd_gluon_dq_ws,
+        varlen_bwd_gluon_ws,
+    )
+
+    monkeypatch.setattr(triton_fwd_gluon, "_num_sms", lambda index: 132)  # (persistent grids: a fake device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    log = []
+    for module, name, label in ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel", "dq"),
+                                (varlen_bwd_gluon, "varlen_bwd_dq_gluon_kernel", "dq"),
+                                (varlen_bwd_gluon_ws, "varlen_bwd_dkdv_gluon_ws_kernel", "dkdv"),
+                                (varlen_bwd, "bwd_dq_kernel", "dq"), (varlen_bwd, "bwd_dkdv_kernel", "dkdv"),
+                                (varlen_bwd, "bwd_preprocess_kernel", "preprocess")):
+        monkeypatch.setattr(module, name, _Recorder(log, label))
+    dkdv = tb.parse_config(dkdv_text) if dkdv_text else None
+    dq = tb.parse_config(dq_text) if dq_text else None
+    plan = triton_varlen.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None))
+    rows, heads, d = 256, 4, 128
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, out, dout = (torch.randn(rows, heads, d, generator=gen).to(torch.bfloat16) for _ in range(5))
+    lse = torch.randn(heads, rows, generator=gen)
+    dlse = torch.randn(heads, rows, generator=gen) if with_dlse else None
+    cu = torch.tensor([0, rows], dtype=torch.int32)
+    tiles = torch.zeros(rows // 64 + 1, 6, dtype=torch.int32)
+    triton_varlen._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, cu, cu, cu[:1] * 0, cu[:1] * 0, tiles,
+                                      tiles, 0.1, -1, 0, 0, False, False, False)
+    return plan, out, lse, log
+
+
+def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
+    """One-consumer WS dQ (the d = 128 short-sequence config), Gluon dK/dV, no dlse: no preprocess; the dQ
+    pass (DELTA_FROM_O, an O descriptor) writes a zero-initialised delta that the dK/dV pass then reads."""
+    from packattn.backends import triton_bwd_gluon as tb
+
+    short = tb.DQ_SHORT_CONFIGS[128].label()
+    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", short, False)
+    assert triton_varlen.fuses_delta(plan, None)
+    assert [name for name, _, _ in log] == ["dq", "dkdv"]
+    (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
+    assert dq_kwargs["DELTA_FROM_O"] is True and dq_kwargs["BLOCK_M"] == 64
+    assert dq_args[4].base is out and list(dq_args[4].block_shape) == [64, 128]
+    delta = dq_args[6]  # (q, k, v, dO, O descriptors, Lse, Delta, ...)
+    assert dkdv_args[5] is delta  # (q, k, v, dO descriptors, Lse, Delta, ...): the same tensor
+    assert delta.dtype == torch.float32 and delta.shape == lse.shape and delta.is_contiguous()
+    assert torch.equal(delta, torch.zeros_like(lse))  # zeros: rows no dQ tile writes are read with P = 0
+
+
+@pytest.mark.parametrize("dkdv,dq,with_dlse", [
+    ("64,64,2,4,ws", "64,64,2,4,ws", True),      # dlse: its term stays in the preprocess
+    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ
+    ("64,128,2,8,ws", "128,64,4,8,ws,persistent", False),
+    (None, "64,64,2,4,ws", False),               # Triton dK/dV pass
+    ("64,64,2,4,ws", None, False),               # Triton dQ pass
+])
+def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
+    plan, _, lse, log = _planned_launches(monkeypatch, dkdv, dq, with_dlse)
+    assert not triton_varlen.fuses_delta(plan, lse if with_dlse else None)
+    assert [name for name, _, _ in log] == ["preprocess", "dkdv", "dq"]
+    (_, pre_args, pre_kwargs), (_, dkdv_args, _), (_, dq_args, dq_kwargs) = log
+    assert pre_kwargs["HAS_DLSE"] is with_dlse
+    delta = pre_args[4]  # (Out, dOut, Lse, dLse, Delta, ...)
+    assert any(a is delta for a in dkdv_args) and any(a is delta for a in dq_args)
+    assert dq_kwargs.get("DELTA_FROM_O", False) is False
+    if "DELTA_FROM_O" in dq_kwargs:  # the WS dQ kernel (two consumers or one) without it: no O descriptor
+        assert dq_args[4] is None
+    else:  # the Triton dQ pass
+        assert dq is None
+
+
+@pytest.mark.parametrize("opts", SELF_MASKS, ids=lambda o: Mask.make(**o).describe())
+@pytest.mark.parametrize("lengths", [([17, 0, 1, 37, 100, 129], None), ([70, 65, 130], [0, 3, 200])])
+def test_fused_delta_rows_left_zero_see_no_key(opts, lengths):
+    """What the dK/dV pass reads after the fused dQ pass: delta = rowsum(dO O) on the rows of 64-query tiles
+    with key blocks (the tile table the one-consumer dQ runs), 0 elsewhere. Every query row whose delta is
+    left 0 sees no key (P = 0 there in the dK/dV pass), so the 0 is never used."""
+    mask = Mask.make(**opts)
+    seqs = Varlen.from_lengths(*lengths)
+    table = triton_varlen.build_tile_table(seqs, mask, False, 64, 64)
+    written = torch.zeros(seqs.total_q, dtype=torch.bool)
+    for seq, start, lo, _, _, hi in table.tolist():
+        if seq >= 0 and hi > lo:  # num_blocks > 0: the tile computes and stores delta for its rows < len_q
+            first = seqs.host_starts_q[seq] + start
+            written[first:min(first + 64, seqs.host_starts_q[seq] + seqs.lengths_q[seq])] = True
+    for i, (lq, lk) in enumerate(zip(seqs.lengths_q, seqs.lengths_kv)):
+        if lq == 0:
+            continue
+        sees = masks.dense_mask(mask, lq, lk).any(dim=1) if lk else torch.zeros(lq, dtype=torch.bool)
+        rows = written[seqs.host_starts_q[i]:seqs.host_starts_q[i] + lq]
+        assert not (sees & ~rows).any(), f"sequence {i}: a row that sees a key has no delta"

@@ -24,7 +24,9 @@ In the triton backend (`packattn.backends.triton_varlen`) on sm_90: the dQ pass 
 warp-specialised `gluon_launch_dkdv` (`use_gluon_dkdv`; its key tile table is built by the forward
 with `dkdv_blocks`). Both decisions depend only on dtypes, shapes, device and the environment, so
 the forward and the backward agree; ``PACKATTN_TRITON_BWD=triton`` keeps the Triton passes.
-`gluon_varlen_bwd` (every pass in Gluon, with this module's configs) serves A/B runs
+With the one-consumer WS dQ config (`DQ_SHORT_CONFIGS`), a Gluon dK/dV pass and no dlse, `triton_varlen.fuses_delta`
+drops the preprocess: the dQ pass computes and writes delta (``gluon_launch_dq(..., delta_from_o=True)``) and
+runs before the dK/dV pass. `gluon_varlen_bwd` (every pass in Gluon, with this module's configs) serves A/B runs
 (`benchmarks/ab_gluon_bwd.py`). The tree backward (`triton_tree`) runs the warp-specialised dK/dV
 with the tree mask (`gluon_launch_dkdv(..., key_end=...)`) where `use_gluon_dkdv` says so, the
 Triton ``launch_dkdv(..., tree=True)`` otherwise.
@@ -93,6 +95,13 @@ DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8,
 # 260.3, 330.8 -> 318.8, and 1024 rows 449.3 (128, 64, 4, 8, ws) -> 430.5, but W1 986.3 -> 1021.2
 # (results/2026-11-24/s9_dq_one_consumer_h200.txt).
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
+# With this config (any one-consumer WS dQ, `one_consumer_dq`), a Gluon dK/dV pass and no dlse, the triton backend
+# skips the backward preprocess (W8 on an H200: 68 of 1029 us): `triton_varlen.fuses_delta`; the dQ pass runs first
+# with ``gluon_launch_dq(..., delta_from_o=True, out=O)`` (`varlen_bwd_gluon_dq_ws`, DELTA FROM O: the producer loads
+# the tile's O with Q / dO by TMA, the consumer computes delta = rowsum(dO O) in its first step under the S / dP
+# wgmma and writes it for the dK/dV pass). 16 KB more shared memory at d = 128 (114940 B compiled, two CTAs per SM
+# still), consumer 212-217 of 232 registers, no spills (scripts/check_gluon_bwd_compile.py --kernels dq
+# --delta-from-o). Built, not yet run on a GPU: neither its correctness on a device nor its time is measured.
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
@@ -252,11 +261,13 @@ def dkdv_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     return ws_split(cfg.num_warps, dkdv_shared_bytes(cfg, head_dim))
 
 
-def dq_ws_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
-    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile, the (K, V) ring, the mbarriers
-    (``q_bar``, with two consumers ``zero_bar``, the ring's)."""
+def dq_ws_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2, delta_from_o: bool = False) -> int:
+    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile (``delta_from_o``: and O, see
+    `gluon_launch_dq`), the (K, V) ring, the mbarriers (``q_bar``, with two consumers ``zero_bar``, the
+    ring's)."""
     consumers = cfg.block_m // 64
-    return ((2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size
+    tiles = 3 if delta_from_o else 2
+    return ((tiles * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size
             + 8 * (consumers + 2 * cfg.stages))
 
 
@@ -275,17 +286,23 @@ def check_dq_ws_config(cfg: GluonBwdConfig) -> None:
                          "(block_m 128, num_warps 8)")
 
 
+def one_consumer_dq(cfg: GluonBwdConfig | None) -> bool:
+    """Is ``cfg`` the one-consumer warp-specialised dQ kernel (block_m 64, ws; `check_dq_ws_config` holds
+    for it), the only dQ kernel that can compute delta itself (``gluon_launch_dq(..., delta_from_o=True)``)?"""
+    return cfg is not None and cfg.warp_specialize and (cfg.block_m, cfg.num_warps) == (64, 4) and not cfg.persistent
+
+
 @functools.lru_cache(maxsize=None)
-def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
+def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int, delta_from_o: bool = False) -> dict:
     """Register split of the warp-specialised dQ kernel (`varlen_bwd_gluon_dq_ws`), as `dkdv_ws_resources`:
     ``ctas_per_sm``, ``warps``, ``maxnreg``, ``consumer_regs``, ``producer_regs``. At d = 128 (block_m 128,
     block_n 64 with 4 stages or 128 with 2: ~192 KB of shared memory): one CTA per SM, 12 warps, maxnreg
     168, consumers 240, producer 24. One consumer warp group (block_m 64, num_warps 4) with <= ~113 KB of
     shared memory (at d = 128: 64,64,2; at d = 64: 64,64,2 / 3 / 4 and 64,128,2): two CTAs per SM, 8 warps
-    each (the producer padded to a warp group), maxnreg 128, consumer 232. The config must be one the kernel
-    takes (`check_dq_ws_config`)."""
+    each (the producer padded to a warp group), maxnreg 128, consumer 232 -- also with ``delta_from_o`` (O
+    tile too: 112 KB at d = 128, 64,64,2). The config must be one the kernel takes (`check_dq_ws_config`)."""
     check_dq_ws_config(cfg)
-    return ws_split(cfg.num_warps, dq_ws_shared_bytes(cfg, head_dim))
+    return ws_split(cfg.num_warps, dq_ws_shared_bytes(cfg, head_dim, delta_from_o=delta_from_o))
 
 
 def _mask_constexprs(mask_args, top_left: bool) -> dict:
@@ -346,12 +363,28 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
-                    config: GluonBwdConfig | None = None) -> None:
+                    config: GluonBwdConfig | None = None, delta_from_o: bool = False, out=None) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
     the config says ``warp_specialize``), one program per (query tile, query head), or with ``persistent``
     (warp-specialised only) ``ctas_per_sm x SMs`` programs looping over them (`ws_grid`). ``tiles`` built with
     ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
-    of sequences only. ``config``: `dq_config`'s answer when the caller has it already."""
+    of sequences only. ``config``: `dq_config`'s answer when the caller has it already.
+
+    ``delta_from_o`` (the one-consumer WS config only, `one_consumer_dq`; ValueError otherwise): the kernel
+    computes delta = rowsum(dO * O) itself from ``out`` (the forward output, O; loaded by TMA with Q / dO,
+    `varlen_bwd_gluon_dq_ws`, DELTA FROM O) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
+    written in place, not copied) on the rows of the tiles that have key blocks; other rows keep what
+    ``delta`` held (the caller passes zeros, `triton_varlen.fuses_delta`). No dlse term: the caller
+    subtracts nothing. Not yet run on a GPU."""
+    cfg = config if config is not None else dq_config(q.shape[-1])
+    if delta_from_o:
+        if not one_consumer_dq(cfg):
+            raise ValueError(f"delta_from_o needs the one-consumer warp-specialised dQ config (64,n,s,4,ws), "
+                             f"not {cfg.label()}")
+        if out is None or out.shape != dout.shape or out.dtype != dout.dtype:
+            raise ValueError("delta_from_o needs out (O) shaped and typed like dout")
+        if not delta.is_contiguous() or delta.shape != lse.shape:
+            raise ValueError("delta_from_o writes delta in place: it must be contiguous and shaped like lse")
     heads_q = q.shape[1]
     grid = (tiles.shape[0] * heads_q,)
     if grid[0] == 0 or q.shape[0] == 0:
@@ -360,30 +393,33 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
         dq.zero_()
         return
     lse, delta = lse.contiguous(), delta.contiguous()  # (`_descriptor` copies what TMA cannot read)
-    cfg = config if config is not None else dq_config(q.shape[-1])
-    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-            _descriptor(dout, cfg.block_m), lse, delta, dq, tiles, *seq_args,
-            *dq.stride()[:2], lse.stride()[0],
+    descs = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+             _descriptor(dout, cfg.block_m))
+    rest = (lse, delta, dq, tiles, *seq_args, *dq.stride()[:2], lse.stride()[0],
             heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(mask_args, top_left))
     if cfg.warp_specialize:
         from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
 
-        res = dq_ws_resources(cfg, q.shape[-1])
+        res = dq_ws_resources(cfg, q.shape[-1], delta_from_o)
         section = heads_per_section(heads_q, heads_q // k.shape[1])
         num_work = grid[0]
         if cfg.persistent:
             grid = (ws_grid(q.device, cfg, num_work, res),)
         if num_work + grid[0] >= 2**30:  # the persistent kernel packs the item index into 30 bits
             raise ValueError(f"too many dQ work items ({num_work})")
-        fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, grid, (*args, section, num_work),
-                           dict(blocks, PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
-                                PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
+        # o_desc: None without delta_from_o (a constant for Triton: no kernel parameter, the PTX of the kernel
+        # without DELTA_FROM_O unchanged)
+        o_desc = _descriptor(out, cfg.block_m) if delta_from_o else None
+        fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, grid, (*descs, o_desc, *rest, section, num_work),
+                           dict(blocks, PERSISTENT=cfg.persistent, DELTA_FROM_O=delta_from_o,
+                                CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4,
+                                maxnreg=res["maxnreg"]))
         return
     from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
 
-    fast_launch.launch(varlen_bwd_dq_gluon_kernel, grid, args, dict(blocks, num_warps=cfg.num_warps))
+    fast_launch.launch(varlen_bwd_dq_gluon_kernel, grid, (*descs, *rest), dict(blocks, num_warps=cfg.num_warps))
 
 
 def gluon_varlen_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,

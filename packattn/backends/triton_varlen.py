@@ -457,7 +457,9 @@ def _varlen_bwd_planned(
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_varlen_bwd` running the passes of ``plan`` (`bwd_plan` of these tensors)."""
+    """`_varlen_bwd` running the passes of ``plan`` (`bwd_plan` of these tensors): the preprocess (`bwd_delta`),
+    the dK/dV pass, the dQ pass; or, where `fuses_delta` says so, the dQ pass computing delta, then the dK/dV
+    pass."""
     dout, q, k, v, out = (_last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
                           _last_dim_contiguous(v), _last_dim_contiguous(out))
     lse = lse.contiguous()
@@ -469,6 +471,13 @@ def _varlen_bwd_planned(
     mask_args = (window_left, window_right, chunk_size)
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     dkdv_config, dq_config = plan.dkdv, plan.dq
+    if fuses_delta(plan, dlse):  # no preprocess: the dQ pass writes delta, then the dK/dV pass reads it
+        delta = torch.zeros_like(lse)  # (rows of tiles without key blocks: never written, read with P = 0)
+        triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
+                                         config=dq_config, delta_from_o=True, out=out)
+        triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
+                                           top_left, config=dkdv_config)
+        return dq, dk, dv
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
@@ -490,6 +499,22 @@ def _varlen_bwd_planned(
     _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
             dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
     return dq, dk, dv
+
+
+def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
+    """Does `_varlen_bwd_planned` skip the preprocess (`bwd_delta`) and let the dQ pass compute delta
+    (``triton_bwd_gluon.gluon_launch_dq(..., delta_from_o=True)``: rowsum(dO * O) from an O tile loaded with
+    Q / dO, `varlen_bwd_gluon_dq_ws`, DELTA FROM O)? When the plan's dQ pass is the one-consumer
+    warp-specialised Gluon kernel (`triton_bwd_gluon.one_consumer_dq`: block_m 64, ws -- at d = 128 the
+    short-sequence config, `DQ_SHORT_CONFIGS`), the dK/dV pass is the Gluon one (it reads delta only on rows
+    of sequences, `varlen_bwd_gluon_ws_load._stats_copy`, and takes P = 0 where lse = -inf), and there is no
+    ``dlse`` (its term stays in the preprocess). The dQ pass then runs first, on ``delta = zeros_like(lse)``:
+    it writes the rows of its tiles that have key blocks; the rows of tiles without any (queries that see no
+    key: lse = -inf, P = 0 in the dK/dV pass) keep 0, which P = 0 cancels (uninitialised memory could hold
+    NaN, and 0 * NaN is NaN). Otherwise the preprocess, the dK/dV pass, the dQ pass, in that order. The
+    float32 row sums run in another order than the preprocess's: results are close to, not bitwise, the
+    unfused backward's. Not yet run on a GPU."""
+    return dlse is None and plan.dkdv is not None and triton_bwd_gluon.one_consumer_dq(plan.dq)
 
 
 def _bwd_constexprs(head_dim: int, dtype: torch.dtype, mask_args: tuple, top_left: bool) -> dict:

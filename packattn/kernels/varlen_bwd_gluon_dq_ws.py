@@ -96,6 +96,44 @@ KB: one CTA per SM, for which `ws_split` gives maxnreg 256 and ptxas warns ("Too
 no spills there either (196-204 / 192-197 / 240-249 of 256), but they defeat the purpose and are not
 listed in `triton_bwd_gluon.DQ_WS_ALTERNATIVES`. Built, not yet run on a GPU.
 
+DELTA FROM O (constexpr ``DELTA_FROM_O``, ``gluon_launch_dq(..., delta_from_o=True, out=O)``; one consumer only,
+static_assert, hence never ``PERSISTENT``: one tile per program): the kernel computes delta = rowsum(dO * O)
+itself instead of reading the preprocess's (`triton_varlen.bwd_delta`, dlse = None: no dlse term), so that the
+backward drops that kernel (`triton_varlen.fuses_delta`: the dQ pass then runs before the dK/dV pass, which
+reads the delta it wrote). A previous attempt (benchmarks/NOTES.md, v16) loaded O from global memory in the
+two-consumer kernel's consumers, on their critical path; here O comes by TMA:
+
+* Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[64, HEAD_DIM]`` as
+  ``do_desc``) into ``o_smem`` (one more ``[64, HEAD_DIM]`` buffer, 16 KB at d = 128, 8 KB at d = 64) with Q and
+  dO on ``q_bar``: one ``expect`` of the three blocks' bytes (3 x 64 x HEAD_DIM x 2: 49152 at d = 128), three
+  TMA copies. ``q_bar`` completes one phase per program (one tile), the consumer waits parity 0, as without O.
+* Consumer: no delta load; after the ``q_bar`` wait the tile's first ring step (`_dq_ws_step` with
+  ``DELTA_FROM_O``; peeled off the block loop without ``CARRY_DS``, already separate with it) issues S[0] and
+  dP[0] (async), then computes delta (`_delta_from_o`: dO and O from shared memory in 64-column chunks, each
+  loaded in a wgmma accumulator layout of 64 columns -- ldmatrix in the SASS --, float32 products, the row sum
+  inside quads of lanes: it lands in the row layout of lse / delta with no shared-memory exchange) while they
+  run, stores it to ``Delta`` for the tile's rows inside the sequence (rows ``< len_q``: the masked addresses
+  the load would read), then waits for S as before; later steps use it. In the SASS (d = 128) the ldmatrix
+  and most of the shuffles are scheduled among the HGMMAs of S[0] / dP[0], before the first wait on them.
+* Tile rows past ``len_q`` get the row sums of whatever TMA read there (the next sequence's rows, zeros past
+  the tensor): their P is 0 (lse +inf), their dQ rows are never stored, their delta is not stored. Rows that
+  see no key (lse = -inf) have P = 0 as before; their delta is rowsum(dO O), what the preprocess gives them.
+* A tile with ``num_blocks == 0`` loads nothing and writes no delta: those rows keep what ``Delta`` held (the
+  caller passes zeros; the dK/dV pass reads them only with P = 0: such rows see no key).
+* Float32 sums in another order than the preprocess kernel's: delta, and dQ / dK / dV through it, are not
+  bitwise those of the unfused backward.
+* Without ``DELTA_FROM_O`` the launcher passes ``o_desc = None`` (a constant for Triton: no kernel parameter)
+  and the PTX is unchanged (292 variants: every one-consumer and two-consumer config of
+  `triton_bwd_gluon.DQ_WS_ALTERNATIVES`, the persistent (128, 64, 3 / 4), the tree dQ, every mask, bf16 /
+  fp16, d 64 / 128; TTGIR too; ``.loc`` / debug sections aside).
+
+sm_90a compile (scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o [--config ...]): every mask,
+bf16 / fp16, no spills, no ptxas warnings, the overlap check passes, two CTAs per SM; consumer registers used
+(of 232) and shared memory per CTA: d = 128, (64, 64, 2 stages) 212-217, 114940 B (<= 115712, the two-CTA
+limit: 772 B to spare; with the R mask the block loop stays at 175, the peak is in the peeled first step,
+whose code is now there twice: ~2200-2500 consumer SASS instructions instead of ~1300); d = 64, (64, 64, 2 / 3 / 4 stages) 143-151 /
+144-165 / 144-164, 57596 / 74012 / 90396 B, (64, 128, 2 stages) 206-218, 90364 B. Built, not yet run on a GPU.
+
 ``PERSISTENT`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent``; a grid of ``ctas_per_sm x
 SMs`` programs, `triton_fwd_gluon.ws_grid`, smaller than ``num_work = tiles x query heads``), as the
 persistent warp-specialised dK/dV (`varlen_bwd_gluon_ws`) runs it: every partition walks the work
@@ -203,13 +241,14 @@ def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, first, last, r
 def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                     num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem, k_bufs, v_bufs, q_bar,
                     q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PERSISTENT: gl.constexpr):
+                    PERSISTENT: gl.constexpr, o_desc=None, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
     slot ``j % STAGES`` once the consumers (both, or the only one) released block ``j - STAGES`` there.
     ``PERSISTENT`` (two consumers only): for each work item ``pid, pid + nprog, ...`` with blocks, its
     first ``min(num_blocks, STAGES)`` blocks, then Q / dO once both consumers released the previous
     item's on ``q_empty``, then the other blocks (ring steps and Q / dO loads counted over the items,
-    as the consumers count them)."""
+    as the consumers count them). ``DELTA_FROM_O`` (one consumer, not persistent): the tile's O rows
+    (``o_desc``) into ``o_smem`` with Q and dO, on ``q_bar`` (its expected bytes count the three)."""
     if PERSISTENT:
         step = 0  # ring steps issued so far
         state = _opaque_program_id(num_work)  # work item | parity of the Q / dO loads issued so far (`ITEM_MASK`)
@@ -234,9 +273,16 @@ def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seq
             _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
                      heads_per_section, HEAD_DIM, BLOCK_N)
         if num_blocks > 0:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            if DELTA_FROM_O:  # O with Q and dO: one phase of q_bar, 3 x BLOCK_M x HEAD_DIM elements
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + o_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+                tma.async_copy_global_to_shared(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
+            else:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
             for j in range(0, num_blocks):
                 mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
                 _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
@@ -260,12 +306,35 @@ def _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, ends, qk_scale
 
 
 @gluon.jit
+def _delta_from_o(do_wg, o_wg, delta_ptr, delta_rows, s_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """``delta[i] = sum_d dO[i, d] O[i, d]`` in float32 for the warp group's 64 rows, from shared memory
+    (``do_wg`` / ``o_wg``, ``[64, HEAD_DIM]``), in the row layout of ``s_layout`` (``SliceLayout(1,
+    s_layout)``: that of lse / delta in the steps); stored to ``delta_ptr[i]`` for ``i < delta_rows``
+    (the rows inside the sequence: the masked store of `varlen_bwd_gluon._row_vector`'s addresses).
+    The columns in chunks of 64, each loaded in a wgmma accumulator layout of 64 columns (pairs of
+    elements per thread, the row sum inside a quad of lanes), so that the sums land in the accumulators'
+    row layout without a shared-memory exchange and few registers are live."""
+    CHUNK: gl.constexpr = 64
+    layout: gl.constexpr = mma_layout(4, CHUNK)
+    delta = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, layout))
+    for c in gl.static_range(HEAD_DIM // CHUNK):
+        do = do_wg.slice(c * CHUNK, CHUNK, dim=1).load(layout).to(gl.float32)
+        o = o_wg.slice(c * CHUNK, CHUNK, dim=1).load(layout).to(gl.float32)
+        delta += gl.sum(do * o, axis=1)
+    delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+    offs = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    gl.store(delta_ptr + offs, delta, mask=offs < delta_rows)
+    return delta
+
+
+@gluon.jit
 def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
                 lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right,
                 chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
-                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
+                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
+                o_wg=None, delta_ptr=None, delta_rows=None, DELTA_FROM_O: gl.constexpr = False):
     """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
     ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
@@ -273,7 +342,12 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     ``key_end``), else the varlen masks (``key_ends`` unused). ``PERSISTENT``: ``ntail`` is the
     consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). ``CONSUMERS
     == 1`` (module docstring, ONE CONSUMER): the only consumer zeroes both tails (K and V rows), no
-    ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight."""
+    ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight.
+    ``DELTA_FROM_O`` (the tile's first step, one consumer; ``delta`` is None): delta = rowsum(dO O) from
+    ``do_wg`` / ``o_wg`` while the S and dP wgmma run, stored to ``delta_ptr[i]`` for ``i < delta_rows``
+    (`_delta_from_o`); returns ``(dq, ds, ntail, delta)``."""
+    gl.static_assert((not DELTA_FROM_O) | ((CONSUMERS == 1) & (not WITH_PREV) & (not TREE)),
+                     "delta from O: one consumer, the tile's first step")
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     k_buf = k_bufs.index(slot)
@@ -294,6 +368,8 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_wg, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DELTA_FROM_O:  # under the S / dP wgmma (both only read do_wg; nobody writes it or o_wg)
+        delta = _delta_from_o(do_wg, o_wg, delta_ptr, delta_rows, s_layout, HEAD_DIM)
     if CARRY_DS and WITH_PREV:
         prev = (j + STAGES - 1) % STAGES
         dq_tok = warpgroup_mma(ds_prev, k_bufs.index(prev), dq, is_async=True)
@@ -318,7 +394,10 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     else:
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_buf, dq, is_async=True), ds))
         mbarrier.arrive(empty.index(slot), count=1)  # this consumer is done with the slot
-    return dq, ds, ntail
+    if DELTA_FROM_O:
+        return dq, ds, ntail, delta
+    else:
+        return dq, ds, ntail
 
 
 @gluon.jit
@@ -327,20 +406,31 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                   chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                  CONSUMERS: gl.constexpr = 2):
+                  CONSUMERS: gl.constexpr = 2, o_wg=None, delta_ptr=None, delta_rows=None,
+                  DELTA_FROM_O: gl.constexpr = False):
     """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
     n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group (``step``: 0, or with
     ``PERSISTENT`` the ring steps of the program's earlier items, and ``ntail`` the state word): with
     ``CARRY_DS`` (``STAGES >= 3``) dS crosses from block to block and the last dQ product is finished
     (and its slot released) here. Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel,
-    `tree_dq_gluon_ws`, walks its intervals with its own loop around `_dq_ws_step`.)"""
+    `tree_dq_gluon_ws`, walks its intervals with its own loop around `_dq_ws_step`.) ``DELTA_FROM_O``
+    (``delta`` None): the first step computes delta from ``do_wg`` / ``o_wg`` and stores it
+    (`_dq_ws_step`), the other steps use it; without ``CARRY_DS`` that first step is peeled off the loop."""
     CARRY_DS: gl.constexpr = STAGES >= 3
     if CARRY_DS:
-        dq, ds, ntail = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
-                                    zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
-                                    window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM,
-                                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, True, False, PERSISTENT,
-                                    CONSUMERS)
+        if DELTA_FROM_O:
+            dq, ds, ntail, delta = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready,
+                                               empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
+                                               len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                                               o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                               TOP_LEFT, False, True, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                                               delta_rows, True)
+        else:
+            dq, ds, ntail = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
+                                        zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv,
+                                        qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
+                                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False,
+                                        True, False, PERSISTENT, CONSUMERS)
         for b in range(1, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
@@ -351,7 +441,16 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
     else:
-        for b in range(0, num_blocks):
+        first_b = 0
+        if DELTA_FROM_O:  # the first step peeled: it computes delta
+            dq, ds, ntail, delta = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready,
+                                               empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
+                                               len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                                               o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                               TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                                               delta_rows, True)
+            first_b = 1
+        for b in range(first_b, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
@@ -366,20 +465,31 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
                   k_bufs, v_bufs, q_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, o_wg=None, DELTA_FROM_O: gl.constexpr = False):
     """One tile with ``num_blocks >= 1`` key blocks, ring steps ``step ...``: this warp group's lse / delta
     / query positions, wait for Q / dO (``q_bar`` phase ``q_phase``), the blocks (`_dq_ws_blocks`).
+    ``DELTA_FROM_O``: delta is not loaded; the first step computes it from dO / O (``o_wg``, loaded on
+    ``q_bar`` too) and stores it to ``Delta`` at the addresses the load would read (`_row_vector`).
     Returns ``(dq, ntail)``, no wgmma in flight."""
     first = q_start + WG * WG_ROWS
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     offs_m = first + gl.arange(0, WG_ROWS, layout=row_layout)
     lse_log2 = _lse_log2(Lse, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout)
-    delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
-    mbarrier.wait(q_bar, q_phase)
-    return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, ready,
-                         empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left,
-                         window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS)
+    if DELTA_FROM_O:
+        delta_ptr = Delta + (head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64) + first)
+        mbarrier.wait(q_bar, q_phase)
+        return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                             ready, empty, zero_bar, lse_log2, None, offs_m, len_q, len_kv, qk_scale_log2,
+                             window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                             len_q - first, True)
+    else:
+        delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
+        mbarrier.wait(q_bar, q_phase)
+        return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
+                             ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
+                             window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS)
 
 
 @gluon.jit
@@ -409,11 +519,12 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                     q_bar, q_empty, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr,
-                    CONSUMERS: gl.constexpr):
+                    CONSUMERS: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
     the tile, their dQ; with ``PERSISTENT`` (two consumers only) for each work item ``pid, pid + nprog,
     ...`` (module docstring: one state word, ring steps counted over the items, Q / dO released on
-    ``q_empty`` after the item's last wgmma, dQ stored from registers)."""
+    ``q_empty`` after the item's last wgmma, dQ stored from registers). ``DELTA_FROM_O`` (one consumer,
+    not persistent): delta from dO and O (``o_smem``) instead of loaded (`_consume_item`)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
@@ -455,11 +566,18 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
         if num_blocks > 0:
             ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-            dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
-                                      len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
-                                      window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
-                                      zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT,
-                                      HAS_CHUNK, TOP_LEFT, False, CONSUMERS)
+            if DELTA_FROM_O:  # (one consumer: o_smem is its 64 rows)
+                dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
+                                          len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
+                                          window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
+                                          zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS, o_smem, True)
+            else:
+                dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
+                                          len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
+                                          window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
+                                          zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS)
 
         # decoded again: the loads are cheaper than holding these scalars in registers across the loop
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
@@ -522,7 +640,7 @@ def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
 
 @gluon.jit
 def varlen_bwd_dq_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, tiles,
+    q_desc, k_desc, v_desc, do_desc, o_desc, Lse, Delta, dQ, tiles,
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
@@ -530,7 +648,7 @@ def varlen_bwd_dq_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PERSISTENT: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, DELTA_FROM_O: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus ``num_work``,
     the register split and ``PERSISTENT``; launch with ``num_warps = 4`` and ``maxnreg`` as
@@ -538,12 +656,20 @@ def varlen_bwd_dq_gluon_ws_kernel(
     HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``num_work = tiles.shape[0] *
     num_heads_q`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the argument is
     then unused), spread over a smaller grid with it (module docstring). ``BLOCK_M`` 128: two consumer
-    warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``)."""
+    warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``). ``DELTA_FROM_O``
+    (one consumer only; DELTA FROM O in the module docstring): ``o_desc`` (O, blocks as ``do_desc``) is
+    loaded with Q / dO, ``Delta`` is written (rowsum(dO O) of the tile's rows) instead of read; without it
+    ``o_desc`` is unused (the launcher passes None: no kernel parameter)."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == WG_ROWS) | (BLOCK_M == 2 * WG_ROWS), "one or two consumer warp groups of 64 queries")
     gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
+    gl.static_assert((not DELTA_FROM_O) | (CONSUMERS == 1), "delta from O needs the one-consumer kernel")
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps, CONSUMERS)
+    if DELTA_FROM_O:  # O of the tile (loaded on q_bar with Q / dO), read by the consumer's row sums only
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
+    else:
+        o_smem = do_smem  # (unused)
     if PERSISTENT:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)  # both consumers are done with the item's Q / dO
@@ -567,6 +693,19 @@ def varlen_bwd_dq_gluon_ws_kernel(
                                row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
                                k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif DELTA_FROM_O:  # one consumer, O loaded too (the producer's third TMA on q_bar)
+        gl.warp_specialize([
+            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
+                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
+                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
+                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
+                               CONSUMERS, o_smem, True)),
+            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
+                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,
+                               o_desc, o_smem, True)),
+        ], [1], [PRODUCER_REGS])
     else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4 warps
         gl.warp_specialize([
             (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,

@@ -105,6 +105,23 @@ def test_w8_short_documents(lengths):
     check_against_reference(q, k, v, dout, seqs, causal="top_left", window=(100, 0))
 
 
+@pytest.mark.parametrize("opts", [{"causal": True}, {"causal": "top_left", "window": (100, 0)}, {"chunk_size": 100},
+                                  {}], ids=["causal", "top_left_window", "chunk", "full"])
+def test_short_batch_fused_delta(monkeypatch, opts):
+    """Short padded cross batches (queries that see no key included) take the fused backward (the dQ pass
+    computes delta, `triton_varlen.fuses_delta`): against the reference, and close to the unfused backward."""
+    seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37], [200, 5, 40, 64, 1, 500, 300, 0],
+                               pad_to_multiple=16, device="cuda")
+    assert seqs.max_seqlen_q <= triton_varlen.SHORT_SEQLEN
+    q, k, v, dout = inputs(seqs, 16, 4)
+    assert triton_varlen.fuses_delta(triton_varlen.bwd_plan(q, k, v, short_seqs=True), None)
+    fused = check_against_reference(q, k, v, dout, seqs, **opts)
+    monkeypatch.setattr(triton_varlen, "fuses_delta", lambda plan, dlse: False)
+    unfused = forward_backward(q, k, v, dout, seqs, "triton", **opts)
+    for name, a, b in zip(("dq", "dk", "dv"), fused[2:], unfused[2:]):
+        assert rel_l2(a, b) < 5e-3, name
+
+
 def test_w5_sliding_window(w1_lengths):
     seqs = Varlen.from_lengths(w1_lengths, device="cuda")
     check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True, window=(1024, 0))
