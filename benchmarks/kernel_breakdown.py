@@ -1,9 +1,14 @@
 """Where the GPU time of one forward+backward goes: every kernel of ``packattn.attention(...,
 backend="triton" | "triton_tree")`` + ``torch.autograd.grad`` under torch.profiler, averaged over
 ``--iters`` calls (after a warm-up), per workload: kernel name, calls per f+b, GPU microseconds per
-f+b, share of the total; then the GPU sum against the wall time per call (sync after each call).
+f+b, share of the total; then the GPU sum against the wall time per call (sync after each call) and the
+do_bench median (what `packattn bench` reports).
 
     python3 benchmarks/kernel_breakdown.py W8 W1 W7 docs:1024 [--iters 20]
+    python3 benchmarks/kernel_breakdown.py W8 --variant "" --variant "PACKATTN_GLUON_FWD_CONFIG=128,128,3,8,ws"
+
+``--variant``: environment settings ("NAME=VALUE;NAME=VALUE", "" for none) under which every workload is
+broken down again, one after the other in this process (the launchers read these switches per call).
 
 ``docs:N``: 32768 tokens of documents of N tokens each (the last one shorter), heads 16/16, causal (W8 is
 docs:512).
@@ -12,11 +17,13 @@ docs:512).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
 
 import torch
+import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 import packattn
@@ -47,6 +54,7 @@ def breakdown(name: str, w, iters: int) -> None:
         step()
         torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) / iters * 1e6
+    bench_us = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -57,7 +65,8 @@ def breakdown(name: str, w, iters: int) -> None:
             totals[event.name] += event.device_time
             counts[event.name] += 1
     gpu_us = sum(totals.values()) / iters
-    print(f"\n{name}: GPU {gpu_us:.1f} us per f+b (sum of kernels), wall {wall_us:.1f} us per synchronised call")
+    print(f"\n{name}: GPU {gpu_us:.1f} us per f+b (sum of kernels), wall {wall_us:.1f} us per synchronised call, "
+          f"{bench_us:.1f} us do_bench median (as packattn bench)")
     for kernel, us in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {us / iters:9.1f} us  {counts[kernel] / iters:4.1f}x  {100 * us / iters / gpu_us:5.1f}%  {kernel[:90]}")
 
@@ -66,6 +75,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--variant", action="append", help='"NAME=VALUE;NAME=VALUE" ("" = as is); repeatable')
     args = parser.parse_args(argv)
     table = {**varlen_workloads(), **tree_workloads()}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -74,7 +84,21 @@ def main(argv: list[str]) -> int:
             n = int(name[5:])
             table[name] = Workload(name, [n] * (32768 // n) + ([32768 % n] if 32768 % n else []),
                                    options={"causal": True})
-        breakdown(name, table[name], args.iters)
+    for variant in args.variant or [""]:
+        settings = dict(item.split("=", 1) for item in variant.split(";") if item)
+        saved = {key: os.environ.get(key) for key in settings}
+        os.environ.update(settings)
+        if variant:
+            print(f"\n## variant {variant}")
+        try:
+            for name in args.workloads:
+                breakdown(name, table[name], args.iters)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return 0
 
 

@@ -13,17 +13,24 @@ from packattn.backends import triton_fwd_gluon as tg
 @pytest.mark.parametrize("heads_kv", [1, 2, 3, 4, 6, 8, 16])
 @pytest.mark.parametrize("group", [1, 2, 4, 7])
 @pytest.mark.parametrize("env", ["", "0", "1", "2", "3", "5", "64"])
-def test_head_sections_tile_the_heads(heads_kv, group, env, monkeypatch):
+@pytest.mark.parametrize("short", [False, True])
+def test_head_sections_tile_the_heads(heads_kv, group, env, short, monkeypatch):
     monkeypatch.setenv(tg.ENV_HEAD_SECTION, env)
     heads_q = heads_kv * group
-    per = tg.heads_per_section(heads_q, group)
+    per = tg.heads_per_section(heads_q, group, short)
     # whole kv-head groups, and sections that tile the heads exactly (the kernels' decode relies on it)
     assert per % group == 0 and heads_q % per == 0 and group <= per <= heads_q
-    wanted = tg.HEAD_SECTION if env == "" else int(env)
+    wanted = (tg.SHORT_HEAD_SECTION if short else tg.HEAD_SECTION) if env == "" else int(env)
     if wanted <= 0 or wanted >= heads_kv:
         assert per == heads_q
     else:
         assert per // group <= wanted  # rounded down to a divisor of the kv heads, never up
+
+
+def test_short_batches_take_their_own_head_section():
+    assert tg.SHORT_HEAD_SECTION != tg.HEAD_SECTION
+    assert tg.heads_per_section(16, 1, short_seqs=True) == tg.SHORT_HEAD_SECTION
+    assert tg.heads_per_section(16, 1) == tg.HEAD_SECTION
 
 
 def test_head_section_env_must_be_a_number(monkeypatch):

@@ -459,8 +459,27 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert triton_varlen.SHORT_SEQLEN == 512
     short_dq, dq = triton_bwd_gluon.dq_config(128, True), triton_bwd_gluon.dq_config(128)
     assert short_dq != dq and short_dq == triton_bwd_gluon.DQ_SHORT_CONFIGS[128]
+    # the 64 x 64 short forward only on the GPUs it was measured faster on (SHORT_CONFIG_GPUS)
+    monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: True)
     assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
+    monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: False)
+    assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.CONFIGS[128]
+    assert triton_fwd_gluon.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == \
+        triton_fwd_gluon.CONFIGS[128]
+
+
+def test_short_config_gpus_by_name(monkeypatch):
+    from packattn.backends import triton_fwd_gluon
+
+    triton_fwd_gluon._short_config_gpu.cache_clear()
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: names[index])
+    try:
+        assert triton_fwd_gluon._short_config_gpu(0) and not triton_fwd_gluon._short_config_gpu(1)
+        assert not triton_fwd_gluon._short_config_gpu(-1)  # no CUDA device
+    finally:
+        triton_fwd_gluon._short_config_gpu.cache_clear()
 
 
 # ---------------------------------------------------------------- delta from O in the one-consumer Gluon dQ pass
@@ -474,7 +493,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.log.append((self.name, args, kwargs))
 
 
-def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse):
+def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=False):
     """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
     every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
     from packattn.backends import triton_bwd_gluon as tb
@@ -497,7 +516,7 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse):
         monkeypatch.setattr(module, name, _Recorder(log, label))
     dkdv = tb.parse_config(dkdv_text) if dkdv_text else None
     dq = tb.parse_config(dq_text) if dq_text else None
-    plan = triton_varlen.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None))
+    plan = triton_varlen.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None), short_seqs)
     rows, heads, d = 256, 4, 128
     gen = torch.Generator().manual_seed(0)
     q, k, v, out, dout = (torch.randn(rows, heads, d, generator=gen).to(torch.bfloat16) for _ in range(5))
@@ -508,6 +527,19 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse):
     triton_varlen._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, cu, cu, cu[:1] * 0, cu[:1] * 0, tiles,
                                       tiles, 0.1, -1, 0, 0, False, False, False)
     return plan, out, lse, log
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fused):
+    """A plan for a batch of short sequences hands both warp-specialised passes the short work order
+    (`triton_fwd_gluon.SHORT_HEAD_SECTION` kv-head groups per section), others the default one."""
+    from packattn.backends import triton_fwd_gluon
+
+    dq = "64,64,2,4,ws" if fused else "128,64,4,8,ws"
+    for short, groups in ((False, triton_fwd_gluon.HEAD_SECTION), (True, triton_fwd_gluon.SHORT_HEAD_SECTION)):
+        _, _, _, log = _planned_launches(monkeypatch, "64,64,2,4,ws", dq, False, short_seqs=short)
+        sections = {name: args[-2] for name, args, _ in log if name in ("dq", "dkdv")}
+        assert sections == {"dq": groups, "dkdv": groups}  # MHA: kv-head groups == heads
 
 
 def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):

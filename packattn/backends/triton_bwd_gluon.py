@@ -312,7 +312,7 @@ def _mask_constexprs(mask_args, top_left: bool) -> dict:
 
 def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
                       top_left: bool, key_end: torch.Tensor | None = None,
-                      config: GluonBwdConfig | None = None) -> None:
+                      config: GluonBwdConfig | None = None, short_seqs: bool = False) -> None:
     """dK/dV pass (`varlen_bwd_dkdv_gluon_kernel`, or `varlen_bwd_gluon_ws.varlen_bwd_dkdv_gluon_ws_kernel`
     when the config says ``warp_specialize``), one program per (key tile, kv head). ``tiles``
     built with ``dkdv_config(d).block_n`` keys per tile and ``.block_m`` as the query step; ``lse`` /
@@ -320,7 +320,8 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
     sequences only (the caller fills padding rows). ``key_end`` (int32 `Tree.row_subtree_end`): the
     tree mask (warp-specialised kernel only; ``tiles`` from `triton_tree.build_key_tiles`, ``seq_args``
     one sequence of all rows); ``mask_args`` / ``top_left`` are then ignored. ``config``: `dkdv_config`'s
-    answer when the caller has it already (saves re-reading the environment)."""
+    answer when the caller has it already (saves re-reading the environment). ``short_seqs``: a batch of
+    short sequences (`triton_fwd_gluon.heads_per_section`'s work order)."""
     heads_kv = k.shape[1]
     grid = (tiles.shape[0] * heads_kv,)
     if grid[0] == 0 or k.shape[0] == 0:
@@ -347,7 +348,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
         res = dkdv_ws_resources(cfg, q.shape[-1])
         key_end = key_end if tree else tiles  # KeyEnd: any int32 pointer without the tree mask
-        section = heads_per_section(q.shape[1], q.shape[1] // heads_kv) * heads_kv // q.shape[1]  # in kv heads
+        section = heads_per_section(q.shape[1], q.shape[1] // heads_kv, short_seqs) * heads_kv // q.shape[1]  # kv heads
         num_work = grid[0]
         if cfg.persistent:
             grid = (ws_grid(q.device, cfg, num_work, res),)
@@ -363,19 +364,21 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
-                    config: GluonBwdConfig | None = None, delta_from_o: bool = False, out=None) -> None:
+                    config: GluonBwdConfig | None = None, delta_from_o: bool = False, out=None,
+                    short_seqs: bool = False) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
     the config says ``warp_specialize``), one program per (query tile, query head), or with ``persistent``
     (warp-specialised only) ``ctas_per_sm x SMs`` programs looping over them (`ws_grid`). ``tiles`` built with
     ``dq_config(d).block_m`` queries per tile and ``.block_n`` as the key step; ``dq`` written on the rows
-    of sequences only. ``config``: `dq_config`'s answer when the caller has it already.
+    of sequences only. ``config``: `dq_config`'s answer when the caller has it already. ``short_seqs``: a batch of
+    short sequences (`triton_fwd_gluon.heads_per_section`'s work order).
 
     ``delta_from_o`` (the one-consumer WS config only, `one_consumer_dq`; ValueError otherwise): the kernel
     computes delta = rowsum(dO * O) itself from ``out`` (the forward output, O; loaded by TMA with Q / dO,
     `varlen_bwd_gluon_dq_ws`, DELTA FROM O) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
     written in place, not copied) on the rows of the tiles that have key blocks; other rows keep what
     ``delta`` held (the caller passes zeros, `triton_varlen.fuses_delta`). No dlse term: the caller
-    subtracts nothing. Not yet run on a GPU."""
+    subtracts nothing."""
     cfg = config if config is not None else dq_config(q.shape[-1])
     if delta_from_o:
         if not one_consumer_dq(cfg):
@@ -403,7 +406,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
         from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
 
         res = dq_ws_resources(cfg, q.shape[-1], delta_from_o)
-        section = heads_per_section(heads_q, heads_q // k.shape[1])
+        section = heads_per_section(heads_q, heads_q // k.shape[1], short_seqs)
         num_work = grid[0]
         if cfg.persistent:
             grid = (ws_grid(q.device, cfg, num_work, res),)

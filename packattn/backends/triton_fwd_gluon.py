@@ -143,20 +143,41 @@ LONG_CONFIGS = CONFIGS
 # consumer warp group, two CTAs per SM (one CTA's prologue / epilogue under the other's main loop, less waste on
 # the causal diagonal). H200, forward kernel time (results/2026-11-24/s8_short_docs_sweep_h200.txt): causal
 # documents of 512 rows 275.7 -> 254.5 us; of 1024 rows 372.6 -> 388.7 (worse, hence the threshold).
+# Only on the GPUs named in SHORT_CONFIG_GPUS: on the H100 (3.35 TB/s against the H200's 4.8) the 128 x 128 tiles
+# of CONFIGS win on the same documents, as they read K/V half as often (results/2026-11-25/s11_w8_sweep_h100.txt:
+# W8 forward 343 -> 317 us with head sections of 2, 312 -> 294 with the short batches' sections of 1).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4, True, True, True)}
+SHORT_CONFIG_GPUS = ("H200",)
 
 
-def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False) -> GluonConfig:
+def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
+               device: torch.device | None = None) -> GluonConfig:
     """Block sizes, pipeline depth and warps for ``head_dim``; the tile table must use block_m/block_n.
-    ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`).
-    ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
+    ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`);
+    ``device``: the CUDA device it runs on (`SHORT_CONFIGS` only on `SHORT_CONFIG_GPUS`; None: the current
+    device). ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
     overrides the table, for A/B runs."""
     override = env.get(ENV_CONFIG)
     if override:
         return parse_config(override)
-    if short_seqs and head_dim in SHORT_CONFIGS:
+    if short_seqs and head_dim in SHORT_CONFIGS and _short_config_gpu(_device_index(device)):
         return SHORT_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
+
+
+def _device_index(device: torch.device | None) -> int:
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+@functools.lru_cache(maxsize=None)
+def _short_config_gpu(index: int) -> bool:
+    """Is CUDA device ``index`` one of `SHORT_CONFIG_GPUS` (False without a CUDA device)?"""
+    if index < 0:
+        return False
+    name = torch.cuda.get_device_name(index)
+    return any(gpu in name for gpu in SHORT_CONFIG_GPUS)
 
 
 def smem_layout(block: list[int], dtype: torch.dtype):
@@ -328,15 +349,21 @@ def _num_sms(index: int) -> int:
 # forward alone W1 0.936 -> 0.876 (1 group: 0.880, 4: 0.887). $PACKATTN_GLUON_HEAD_SECTION overrides it
 # (A/B runs; 0 = all heads in one section).
 HEAD_SECTION = 2
+# Batches of short sequences (`triton_varlen.SHORT_SEQLEN`) take sections of one kv-head group in the forward and
+# both backward passes: H100, W8 (results/2026-11-25/s11_w8_sweep_h100.txt, two machines) forward 343 -> 318 us,
+# dK/dV 448 -> 424, dQ 427 -> 378, f+b kernels 1220 -> 1121 us. (W1, long documents: 3118 -> 3617 us; W2 / W4 / W5
+# gain 2-4%: left at 2 for now.)
+SHORT_HEAD_SECTION = 1
 ENV_HEAD_SECTION = "PACKATTN_GLUON_HEAD_SECTION"
 
 
-def heads_per_section(heads_q: int, group_size: int) -> int:
-    """Query heads per section of the work order: `HEAD_SECTION` (or ``$PACKATTN_GLUON_HEAD_SECTION``)
-    kv-head groups, clipped to all heads and rounded down to a divisor of the kv heads."""
+def heads_per_section(heads_q: int, group_size: int, short_seqs: bool = False) -> int:
+    """Query heads per section of the work order: `HEAD_SECTION` (`SHORT_HEAD_SECTION` for a batch of
+    ``short_seqs``; ``$PACKATTN_GLUON_HEAD_SECTION`` overrides both) kv-head groups, clipped to all heads and
+    rounded down to a divisor of the kv heads."""
     text = env.get(ENV_HEAD_SECTION, "").strip()
     try:
-        groups = int(text) if text else HEAD_SECTION
+        groups = int(text) if text else (SHORT_HEAD_SECTION if short_seqs else HEAD_SECTION)
     except ValueError:
         raise ValueError(f"{ENV_HEAD_SECTION}={text!r}: expected a number of kv-head groups (0: all heads)") from None
     heads_kv = heads_q // group_size
@@ -389,7 +416,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or config_for(head_dim, long_seqs, short_seqs)
+    cfg = config or config_for(head_dim, long_seqs, short_seqs, q.device)
     args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, q_tiles,
             cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             out.stride(0), out.stride(1), lse.stride(0),
@@ -403,7 +430,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             num_warps=cfg.num_warps))
         return out, lse
     res = ws_resources(cfg, head_dim)
-    section = heads_per_section(heads_q, heads_q // heads_kv)
+    section = heads_per_section(heads_q, heads_q // heads_kv, short_seqs)
     fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, cfg, num_work, res, max_programs),),
                        (*args, num_work, section), dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,

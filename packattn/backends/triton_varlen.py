@@ -323,6 +323,7 @@ class BwdPlan:
     dq: triton_bwd_gluon.GluonBwdConfig | None
     dkdv_choice: tuple[int, int, bool]  # (keys per tile, queries per step, gluon)
     dq_choice: tuple[int, int, bool]  # (queries per tile, keys per step, gluon)
+    short_seqs: bool = False  # a batch of short sequences (the Gluon passes' work order, `heads_per_section`)
 
 
 def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> BwdPlan:
@@ -336,7 +337,7 @@ def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool
     triton_dkdv = dkdv or launch_config("dkdv", q.shape[-1], q.dtype, q.device)
     triton_dq = dq or launch_config("dq", q.shape[-1], q.dtype, q.device)
     return BwdPlan(dkdv, dq, (triton_dkdv.block_n, triton_dkdv.block_m, dkdv is not None),
-                   (triton_dq.block_m, triton_dq.block_n, dq is not None))
+                   (triton_dq.block_m, triton_dq.block_n, dq is not None), short_seqs)
 
 
 def dq_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> tuple[int, int, bool]:
@@ -474,21 +475,21 @@ def _varlen_bwd_planned(
     if fuses_delta(plan, dlse):  # no preprocess: the dQ pass writes delta, then the dK/dV pass reads it
         delta = torch.zeros_like(lse)  # (rows of tiles without key blocks: never written, read with P = 0)
         triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
-                                         config=dq_config, delta_from_o=True, out=out)
+                                         config=dq_config, delta_from_o=True, out=out, short_seqs=plan.short_seqs)
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
-                                           top_left, config=dkdv_config)
+                                           top_left, config=dkdv_config, short_seqs=plan.short_seqs)
         return dq, dk, dv
     delta = bwd_delta(out, dout, lse, dlse)
     if dkdv_config is not None:
         triton_bwd_gluon.gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, mask_args,
-                                           top_left, config=dkdv_config)
+                                           top_left, config=dkdv_config, short_seqs=plan.short_seqs)
     else:
         common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
         launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, dkdv_tiles, scale, mask_args, common)
 
     if dq_config is not None:
         triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
-                                         config=dq_config)
+                                         config=dq_config, short_seqs=plan.short_seqs)
         return dq, dk, dv
     from packattn.kernels.varlen_bwd import bwd_dq_kernel
 
@@ -513,7 +514,7 @@ def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     key: lse = -inf, P = 0 in the dK/dV pass) keep 0, which P = 0 cancels (uninitialised memory could hold
     NaN, and 0 * NaN is NaN). Otherwise the preprocess, the dK/dV pass, the dQ pass, in that order. The
     float32 row sums run in another order than the preprocess's: results are close to, not bitwise, the
-    unfused backward's. Not yet run on a GPU."""
+    unfused backward's (GPU: tests/gpu/test_triton_varlen_gpu.py, `test_short_batch_fused_delta`)."""
     return dlse is None and plan.dkdv is not None and triton_bwd_gluon.one_consumer_dq(plan.dq)
 
 
@@ -646,7 +647,7 @@ class TritonVarlenBackend(TritonBackend):
         short_seqs = max(seqs.max_seqlen_q, seqs.max_seqlen_kv) <= SHORT_SEQLEN
         gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
         if gluon:
-            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs)
+            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs, q.device)
         else:
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
