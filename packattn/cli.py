@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--autograd-threads", choices=("on", "off"), default="on",
                        help="off: every backward on the calling thread (torch.autograd.set_multithreading_enabled"
                        "(False)) instead of autograd's CUDA device thread, for every implementation")
+    bench.add_argument("--heat-up", type=float, default=0.0, metavar="SECONDS",
+                       help="run matmuls this long before the first row, so no row is timed on a cold GPU")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 
-        return run_bench(args.workloads, args.impls, args.json, args.plot, args.autograd_threads == "on")
+        return run_bench(args.workloads, args.impls, args.json, args.plot, args.autograd_threads == "on",
+                         args.heat_up)
     if args.command == "info":
         return info()
     from packattn.demo_tree import run_demo_tree

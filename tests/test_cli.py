@@ -1,6 +1,7 @@
 """`packattn info | demo` through `packattn.cli.main`."""
 
 import pytest
+import torch
 
 from packattn import __version__, cli
 from packattn.backends import REGISTRY
@@ -79,3 +80,23 @@ def test_cp_scaling_plot(tmp_path):
     png = tmp_path / "scaling.png"
     assert cli.main(["bench", "--cp-scaling", *paths, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_shows_the_gpu_state_of_each_row(capsys):
+    """Rows carry the SM clock / temperature `_gpu_state` recorded after them (a GPU that heats up
+    over a run clocks down); without NVML (CPU here) the state is empty and the row prints without it."""
+    from packattn.bench import runner
+
+    assert runner._gpu_state(torch.device("cpu")) == {}
+    assert runner._heat_up(torch.device("cpu"), 0) == {}
+    rows = [
+        {"workload": "W1", "impl": "packattn:triton", "fwd_ms": 1.0, "fwd_tflops": 400.0, "fwdbwd_ms": 3.0,
+         "fwdbwd_tflops": 350.0, "sm_mhz": 1755, "temp_c": 61, "power_w": 500},
+        {"workload": "W1", "impl": "flex", "fwd_ms": 1.5, "fwd_tflops": 300.0, "fwdbwd_ms": 4.0,
+         "fwdbwd_tflops": 250.0},
+    ]
+    runner.print_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    ours = next(line for line in lines if "packattn:triton" in line)
+    assert "flex 1.33/1.40" in ours and ours.endswith("[1755 MHz 61 C]")
+    assert "MHz" not in next(line for line in lines if line.startswith("W1     flex"))

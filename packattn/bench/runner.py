@@ -35,6 +35,33 @@ def _ceilings(device) -> dict:
     return {"copy_TBps": round(copy, 3), "matmul_tflops": round(2 * 8192**3 / (ms * 1e-3) / 1e12, 1)}
 
 
+def _gpu_state(device) -> dict:
+    """SM clock (MHz), temperature (C) and power (W) of ``device`` now, through NVML (torch.cuda.clock_rate
+    etc.); {} where NVML is missing. Recorded after each row: a GPU that heats up over a long run clocks down,
+    and rows measured later then run slower than the same work measured cold."""
+    try:
+        return {"sm_mhz": torch.cuda.clock_rate(device), "temp_c": torch.cuda.temperature(device),
+                "power_w": round(torch.cuda.power_draw(device) / 1000)}
+    except Exception:  # noqa: BLE001 - pynvml missing or not supported: no state, not a failed row
+        return {}
+
+
+def _heat_up(device, seconds: float) -> dict:
+    """Run bf16 matmuls for ``seconds`` so the rows that follow start at the clocks a long run settles at
+    (not a cold GPU's boost); the GPU state after it."""
+    if seconds <= 0:
+        return {}
+    import time
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+    return _gpu_state(device)
+
+
 def _inputs_for(w: Workload, impl: str, device):
     """Anchors that cannot take padding run on the unpadded data (workloads.md: W3's anchors);
     the varlen anchors of a tree workload run on its expanded batch (every sequence in full)."""
@@ -69,6 +96,7 @@ def run_one(w: Workload, impl: str, device) -> dict:
             fwd_tflops=round(flops / (fwd_ms * 1e-3) / 1e12, 1),
             fwdbwd_tflops=round(3.5 * flops / (fwdbwd_ms * 1e-3) / 1e12, 1),
         )
+        row.update(_gpu_state(device))
     except Unavailable as e:
         row["error"] = f"unavailable: {e}"
     except Exception as e:  # noqa: BLE001 - a failed run is a row, not a crash
@@ -78,11 +106,13 @@ def run_one(w: Workload, impl: str, device) -> dict:
 
 
 def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None,
-              autograd_threads: bool = True) -> int:
+              autograd_threads: bool = True, heat_up_seconds: float = 0.0) -> int:
     """Time ``workloads`` x ``impls`` (table, JSON, plot). ``autograd_threads=False`` runs every
     implementation's backward on the calling thread (`torch.autograd.set_multithreading_enabled`)
     instead of autograd's CUDA device thread, whose hand-off costs a few hundred microseconds of host time
-    per backward on some hosts (benchmarks/probe_autograd_threads.py): what a host-bound call measures."""
+    per backward on some hosts (benchmarks/probe_autograd_threads.py): what a host-bound call measures.
+    ``heat_up_seconds``: matmuls first, so that early rows are not timed on a cold GPU (`_heat_up`); every
+    row records the SM clock, temperature and power after it (`_gpu_state`)."""
     if not torch.cuda.is_available():
         print("packattn bench needs a CUDA GPU")
         return 1
@@ -96,6 +126,9 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     }
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul "
           f"{env['matmul_tflops']} TF/s, autograd device threads {'on' if autograd_threads else 'off'}")
+    env["heat_up"] = {"seconds": heat_up_seconds, **_heat_up(device, heat_up_seconds)}
+    if heat_up_seconds > 0:
+        print(f"heated up for {heat_up_seconds:g} s: {env['heat_up']}")
     torch.autograd.set_multithreading_enabled(autograd_threads)
     try:
         return _run_jobs(workloads, impls, json_path, plot_path, device, env)
@@ -168,7 +201,8 @@ def print_table(rows: list[dict], env: dict | None = None) -> None:
                 ar = impls.get(a)
                 if a != impl and ar and "error" not in ar and not impl in ANCHORS:
                     ratios.append(f"{a} {r['fwd_tflops'] / ar['fwd_tflops']:.2f}/{r['fwdbwd_tflops'] / ar['fwdbwd_tflops']:.2f}")
-            print(f"{wl:<6} {impl:<16} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>9.1f} {r['fwdbwd_ms']:>8.3f} {r['fwdbwd_tflops']:>9.1f}  {', '.join(ratios)}")
+            state = f"  [{r['sm_mhz']} MHz {r['temp_c']} C]" if "sm_mhz" in r else ""
+            print(f"{wl:<6} {impl:<16} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>9.1f} {r['fwdbwd_ms']:>8.3f} {r['fwdbwd_tflops']:>9.1f}  {', '.join(ratios)}{state}")
 
 
 def plot(rows: list[dict], path, env) -> None:
