@@ -16,7 +16,7 @@ The process re-executes itself with glibc's mmap disabled (``MALLOC_MMAP_MAX_=0`
 ``torch.empty`` otherwise costs ~50 us of mmap/munmap per call on CPU, where the CUDA caching
 allocator takes ~2 us; it still costs ~10 us here (4 such outputs per f+b).
 
-usage: python3 benchmarks/probe_host_cpu.py [--calls 200] [--repeats 7] [--profile]
+usage: python3 benchmarks/probe_host_cpu.py [--calls 200] [--repeats 7] [--profile] [--workload W8|W1|W3|...]
 """
 
 from __future__ import annotations
@@ -111,16 +111,25 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile of 200 f+b calls, by own time")
+    parser.add_argument("--workload", default="W8", help="W8 (default) or another of bench.workloads' varlen ones")
     args = parser.parse_args()
 
     install_stubs()
     import packattn
     from packattn.backends import triton_varlen as tv
 
-    seqs, q, k, v, dout = make_w8()
+    if args.workload == "W8":
+        seqs, q, k, v, dout = make_w8()
+        options = {"causal": True}
+    else:
+        from packattn.bench.workloads import varlen_workloads
+
+        w = varlen_workloads()[args.workload]
+        seqs, q, k, v = w.make_inputs("cpu")
+        dout, options = torch.randn_like(q), w.options
 
     def fwd():
-        return packattn.attention(q, k, v, seqs, causal=True, backend="triton")
+        return packattn.attention(q, k, v, seqs, backend="triton", **options)
 
     def fwd_nograd():
         with torch.no_grad():
@@ -134,7 +143,8 @@ def main() -> None:
     for f in (fwd, fwd_nograd, fwdbwd):  # warm up: tile tables, dispatch cache, lru caches
         f()
 
-    print(f"torch {torch.__version__}, CPU stubs (no launches), W8: 64 x 512 tokens, heads 16/16, d=128, bf16, causal")
+    print(f"torch {torch.__version__}, CPU stubs (no launches), {args.workload} ({seqs.num_seqs} sequences, "
+          f"{seqs.total_q} rows), heads {q.shape[1]}/{k.shape[1]}, d={q.shape[2]}, bf16, {options}")
     print(f"packattn from {os.path.dirname(packattn.__file__)}")
     print(f"{'host us per call':<28} {'min':>8} {'median':>8}")
     for label, f in (("forward (requires grad)", fwd), ("forward (no grad)", fwd_nograd), ("forward + backward", fwdbwd)):

@@ -602,3 +602,17 @@ def test_fused_delta_rows_left_zero_see_no_key(opts, lengths):
         sees = masks.dense_mask(mask, lq, lk).any(dim=1) if lk else torch.zeros(lq, dtype=torch.bool)
         rows = written[seqs.host_starts_q[i]:seqs.host_starts_q[i] + lq]
         assert not (sees & ~rows).any(), f"sequence {i}: a row that sees a key has no delta"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(10, 16, 8), (10, 1, 1), (7, 3, 1), (0, 2, 4)])
+def test_zero_rows_zeroes_exactly_the_padding_rows(dtype, shape):
+    """Padding rows of outputs are zeroed through a wide-integer view of the rows; every other element
+    keeps what it held, and the zeros are +0 in the output's dtype."""
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    rows = torch.tensor([r for r in (0, 3, 4, 9) if r < shape[0]], dtype=torch.int64)
+    triton_varlen._zero_rows(out, rows)
+    expect = torch.full(shape, float("nan"), dtype=dtype)
+    expect[rows] = 0
+    assert torch.equal(out.isnan(), expect.isnan())
+    assert (out[rows] == 0).all() and not torch.signbit(out[rows]).any()

@@ -422,7 +422,25 @@ def _new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | Non
         return torch.empty(shape, dtype=dtype, device=device)
     if pad_rows is None:
         return torch.full(shape, fill, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device).index_fill_(dim, pad_rows, fill)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if fill == 0 and dim == 0:
+        _zero_rows(out, pad_rows)
+    else:
+        out.index_fill_(dim, pad_rows, fill)
+    return out
+
+
+def _zero_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out.index_fill_(0, rows, 0)`` on a contiguous ``out``, with each row seen as the widest integers
+    its bytes divide into (zero bits are zero in every dtype): the fill kernel then handles 4x fewer
+    elements for 16-bit rows (H100: a W3 output's ~1000 padding rows of 16 x 128 bf16 cost 21.8 us as
+    bf16 elements)."""
+    row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
+    wide = next((t for t in (torch.int64, torch.int32, torch.int16) if row_bytes % t.itemsize == 0), None)
+    if wide is None or not out.is_contiguous() or out.numel() == 0:
+        out.index_fill_(0, rows, 0)
+        return
+    out.view(out.shape[0], row_bytes // out.element_size()).view(wide).index_fill_(0, rows, 0)
 
 
 varlen_fwd = torch.library.custom_op("packattn::varlen_fwd", _varlen_fwd, mutates_args=())
