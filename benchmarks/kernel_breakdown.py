@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from unittest import mock
 
 import torch
 import triton.testing
@@ -86,19 +87,11 @@ def main(argv: list[str]) -> int:
                                    options={"causal": True})
     for variant in args.variant or [""]:
         settings = dict(item.split("=", 1) for item in variant.split(";") if item)
-        saved = {key: os.environ.get(key) for key in settings}
-        os.environ.update(settings)
         if variant:
             print(f"\n## variant {variant}")
-        try:
+        with mock.patch.dict(os.environ, settings):
             for name in args.workloads:
                 breakdown(name, table[name], args.iters)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return 0
 
 

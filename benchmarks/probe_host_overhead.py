@@ -16,6 +16,7 @@ import os
 import pstats
 import sys
 import time
+from unittest import mock
 
 import torch
 import triton.testing
@@ -57,9 +58,7 @@ def main() -> None:
             torch.autograd.grad(fwd(), (q, k, v), dout)
 
         for variant, env in VARIANTS.items():
-            saved = {key: os.environ.get(key) for key in env}
-            os.environ.update(env)
-            try:
+            with mock.patch.dict(os.environ, env):
                 fwdbwd()
                 times = [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (fwd, fwdbwd)]
                 times += [host_ms_per_call(f) for f in (fwd, fwdbwd)]
@@ -74,12 +73,6 @@ def main() -> None:
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(15)
                     print(f"--- {name}: cProfile of 20 forward+backward calls\n{text.getvalue()}")
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
     print(f"{'workload':<8} {'variant':<11} {'gpu fwd':>8} {'gpu f+b':>8} {'host fwd':>9} {'host f+b':>9}  (ms per call)")
     for name, variant, a, b, c, d in rows:
         bound = "  host-bound" if d >= b else ""
