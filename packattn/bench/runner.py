@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import time
 
 import torch
 
@@ -55,8 +56,6 @@ def _heat_up(device, seconds: float) -> dict:
     (not a cold GPU's boost); the GPU state after it."""
     if seconds <= 0:
         return {}
-    import time
-
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -110,13 +109,15 @@ def run_one(w: Workload, impl: str, device) -> dict:
 
 
 def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None,
-              autograd_threads: bool = True, heat_up_seconds: float = 0.0) -> int:
+              autograd_threads: bool = True, heat_up_seconds: float = 0.0, pause_seconds: float = 0.0) -> int:
     """Time ``workloads`` x ``impls`` (table, JSON, plot). ``autograd_threads=False`` runs every
     implementation's backward on the calling thread (`torch.autograd.set_multithreading_enabled`)
     instead of autograd's CUDA device thread, whose hand-off costs a few hundred microseconds of host time
     per backward on some hosts (benchmarks/probe_autograd_threads.py): what a host-bound call measures.
     ``heat_up_seconds``: matmuls first, so that early rows are not timed on a cold GPU (`_heat_up`); every
-    row records the SM clock, temperature and power after it (`_gpu_state`)."""
+    row records the SM clock, temperature and power after it (`_gpu_state`). ``pause_seconds``: the GPU idles
+    this long before each row, so that every row starts from a similar temperature, not from the heat
+    the row before it left (a dense-SDPA row, the hottest, is followed by the next workload's rows)."""
     if not torch.cuda.is_available():
         print("packattn bench needs a CUDA GPU")
         return 1
@@ -131,16 +132,17 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul "
           f"{env['matmul_tflops']} TF/s, autograd device threads {'on' if autograd_threads else 'off'}")
     env["heat_up"] = {"seconds": heat_up_seconds, **_heat_up(device, heat_up_seconds)}
+    env["pause_seconds"] = pause_seconds
     if heat_up_seconds > 0:
         print(f"heated up for {heat_up_seconds:g} s: {env['heat_up']}")
     torch.autograd.set_multithreading_enabled(autograd_threads)
     try:
-        return _run_jobs(workloads, impls, json_path, plot_path, device, env)
+        return _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds)
     finally:
         torch.autograd.set_multithreading_enabled(True)
 
 
-def _run_jobs(workloads, impls, json_path, plot_path, device, env) -> int:
+def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds: float = 0.0) -> int:
     table = all_workloads()
     names = workloads or [*table, *small_seq.small_seq_workloads()]
     impls = impls or list(IMPLS)
@@ -160,6 +162,9 @@ def _run_jobs(workloads, impls, json_path, plot_path, device, env) -> int:
     for name, impl in tqdm(jobs, desc="bench", mininterval=5):
         if impl == "sdpa_dense" and name not in ("W1", "W2"):
             continue
+        if pause_seconds > 0:
+            torch.cuda.synchronize(device)
+            time.sleep(pause_seconds)
         if name in bandwidth:
             rows.append(small_seq.run_one(bandwidth[name], impl, device, _do_bench))
         else:
