@@ -100,3 +100,13 @@ def test_bench_table_shows_the_gpu_state_of_each_row(capsys):
     ours = next(line for line in lines if "packattn:triton" in line)
     assert "flex 1.33/1.40" in ours and ours.endswith("[1755 MHz 61 C]")
     assert "MHz" not in next(line for line in lines if line.startswith("W1     flex"))
+
+
+def test_bench_passes_heat_up_and_pause(monkeypatch):
+    from packattn.bench import runner
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_bench", lambda *args: seen.setdefault("args", args) and 0)
+    assert cli.main(["bench", "--workloads", "W3", "--heat-up", "5", "--pause", "2.5",
+                     "--autograd-threads", "off"]) == 0
+    assert seen["args"] == (["W3"], None, None, None, False, 5.0, 2.5)
