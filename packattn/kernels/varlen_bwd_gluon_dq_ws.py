@@ -417,15 +417,17 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
     (``delta`` None): the first step computes delta from ``do_wg`` / ``o_wg`` and stores it
     (`_dq_ws_step`), the other steps use it; without ``CARRY_DS`` that first step is peeled off the loop."""
     CARRY_DS: gl.constexpr = STAGES >= 3
+    first_b = 0
+    if DELTA_FROM_O:  # the first step peeled: it computes delta (and with CARRY_DS hands its dS on)
+        dq, ds, ntail, delta = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready,
+                                           empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
+                                           len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
+                                           o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                           TOP_LEFT, False, CARRY_DS, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                                           delta_rows, True)
+        first_b = 1
     if CARRY_DS:
-        if DELTA_FROM_O:
-            dq, ds, ntail, delta = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready,
-                                               empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
-                                               len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
-                                               o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                               TOP_LEFT, False, True, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
-                                               delta_rows, True)
-        else:
+        if not DELTA_FROM_O:
             dq, ds, ntail = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready, empty,
                                         zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv,
                                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
@@ -441,15 +443,6 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
     else:
-        first_b = 0
-        if DELTA_FROM_O:  # the first step peeled: it computes delta
-            dq, ds, ntail, delta = _dq_ws_step(step, n_lo, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, None, ready,
-                                               empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
-                                               len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
-                                               o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                               TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
-                                               delta_rows, True)
-            first_b = 1
         for b in range(first_b, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, None, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
@@ -693,28 +686,17 @@ def varlen_bwd_dq_gluon_ws_kernel(
                                row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
                                k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    elif DELTA_FROM_O:  # one consumer, O loaded too (the producer's third TMA on q_bar)
+    else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4
+        # warps. With DELTA_FROM_O the producer loads O too (a third TMA on q_bar) and the consumer reads it.
         gl.warp_specialize([
             (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
                                heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
                                chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
                                HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS, o_smem, True)),
+                               CONSUMERS, o_smem, DELTA_FROM_O)),
             (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
                                k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,
-                               o_desc, o_smem, True)),
-        ], [1], [PRODUCER_REGS])
-    else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4 warps
-        gl.warp_specialize([
-            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
-                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS)),
-            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
-                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
+                               o_desc, o_smem, DELTA_FROM_O)),
         ], [1], [PRODUCER_REGS])
