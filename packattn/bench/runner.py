@@ -18,8 +18,10 @@ from packattn.bench.workloads import TreeWorkload, Workload, all_workloads
 def _do_bench(fn) -> float:
     """Median ms of ``fn`` over 100 ms of calls, after 250 ms of the same calls: on an H100 our kernels run
     at the 700 W power limit (1560-1680 MHz where torch's varlen_attn keeps 1965), and the clocks a row
-    starts with depend on the row before it; a long warm-up lets them settle to this call's own level
-    (results/2026-11-25/s11_bench_order_h100.txt: W1 forward 0.828-0.904 ms with 25 ms warm-ups)."""
+    starts with depend on the row before it, so the warm-up is long enough for them to move towards this
+    call's own level (results/2026-11-25/s11_bench_order_h100.txt: W1 forward 0.828-0.904 ms across runs
+    with 25 ms warm-ups). It did not remove the drift of W3's forward in the full bench (benchmarks/NOTES.md,
+    "W3 against W1")."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=250, rep=100, return_mode="median")
