@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="run matmuls this long before the first row, so no row is timed on a cold GPU")
     bench.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
                        help="let the GPU idle this long before each row (rows start from a similar temperature)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="measure every row N times (N passes over all rows) and show the median of each time")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     args = parser.parse_args(argv)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from packattn.bench.runner import run_bench
 
         return run_bench(args.workloads, args.impls, args.json, args.plot, args.autograd_threads == "on",
-                         args.heat_up, args.pause)
+                         args.heat_up, args.pause, args.rounds)
     if args.command == "info":
         return info()
     from packattn.demo_tree import run_demo_tree

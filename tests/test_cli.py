@@ -108,5 +108,33 @@ def test_bench_passes_heat_up_and_pause(monkeypatch):
     seen = {}
     monkeypatch.setattr(runner, "run_bench", lambda *args: seen.setdefault("args", args) and 0)
     assert cli.main(["bench", "--workloads", "W3", "--heat-up", "5", "--pause", "2.5",
-                     "--autograd-threads", "off"]) == 0
-    assert seen["args"] == (["W3"], None, None, None, False, 5.0, 2.5)
+                     "--autograd-threads", "off", "--rounds", "3"]) == 0
+    assert seen["args"] == (["W3"], None, None, None, False, 5.0, 2.5, 3)
+
+
+def test_bench_rounds_merge_to_the_median_of_each_time(capsys):
+    """`--rounds N`: each time is the median over the rounds (the lower one for an even count, so a measured
+    value), with the rate measured with it; failed rounds are kept apart, a row failing every round stays
+    its first error."""
+    from packattn.bench import runner
+
+    def sample(fwd, fwdbwd):
+        return {"workload": "W1", "impl": "packattn:triton", "fwd_ms": fwd, "fwd_tflops": 1000 / fwd,
+                "fwdbwd_ms": fwdbwd, "fwdbwd_tflops": 3500 / fwdbwd}
+
+    rows = [sample(1.0, 3.3), sample(1.2, 3.0), sample(0.9, 3.6)]
+    merged = runner.merge_rounds(rows)
+    assert (merged["fwd_ms"], merged["fwd_tflops"]) == (1.0, 1000.0)
+    assert (merged["fwdbwd_ms"], merged["fwdbwd_tflops"]) == (3.3, 3500 / 3.3)
+    assert merged["rounds_ms"] == {"fwd_ms": [1.0, 1.2, 0.9], "fwdbwd_ms": [3.3, 3.0, 3.6]}
+    assert runner.merge_rounds([sample(2.0, 5.0), sample(1.0, 4.0)])["fwd_ms"] == 1.0  # lower median
+    failed = {"workload": "W1", "impl": "packattn:triton", "error": "OutOfMemoryError: boom"}
+    partial = runner.merge_rounds([failed, sample(1.0, 3.0), sample(1.1, 3.1)])
+    assert partial["fwd_ms"] == 1.0 and partial["failed_rounds"] == ["OutOfMemoryError: boom"]
+    assert runner.merge_rounds([failed, dict(failed, error="other")]) == failed
+    assert runner.merge_rounds(rows[:1]) is rows[0]
+    runner.print_table([merged], {"rounds": 3})
+    out = capsys.readouterr().out
+    assert "median of 3 rounds" in out and "spread 30%/18%" in out
+    with pytest.raises(ValueError, match="rounds"):
+        runner.run_bench(rounds=0)

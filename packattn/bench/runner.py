@@ -111,7 +111,8 @@ def run_one(w: Workload, impl: str, device) -> dict:
 
 
 def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None, json_path=None, plot_path=None,
-              autograd_threads: bool = True, heat_up_seconds: float = 0.0, pause_seconds: float = 0.0) -> int:
+              autograd_threads: bool = True, heat_up_seconds: float = 0.0, pause_seconds: float = 0.0,
+              rounds: int = 1) -> int:
     """Time ``workloads`` x ``impls`` (table, JSON, plot). ``autograd_threads=False`` runs every
     implementation's backward on the calling thread (`torch.autograd.set_multithreading_enabled`)
     instead of autograd's CUDA device thread, whose hand-off costs a few hundred microseconds of host time
@@ -119,7 +120,12 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     ``heat_up_seconds``: matmuls first, so that early rows are not timed on a cold GPU (`_heat_up`); every
     row records the SM clock, temperature and power after it (`_gpu_state`). ``pause_seconds``: the GPU idles
     this long before each row, so that every row starts from a similar temperature, not from the heat
-    the row before it left (a dense-SDPA row, the hottest, is followed by the next workload's rows)."""
+    the row before it left (a dense-SDPA row, the hottest, is followed by the next workload's rows).
+    ``rounds``: every row is measured this many times, one full pass over the rows per round, and the table
+    shows the median of each time (`merge_rounds`): a row then does not hang on the state (clocks, heat,
+    host) of the one moment it was measured in."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not torch.cuda.is_available():
         print("packattn bench needs a CUDA GPU")
         return 1
@@ -129,7 +135,7 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     env = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "packattn": packattn.__version__, "date": datetime.date.today().isoformat(), **_ceilings(device),
-        "autograd_threads": autograd_threads,
+        "autograd_threads": autograd_threads, "rounds": rounds,
     }
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_TBps']} TB/s, bf16 matmul "
           f"{env['matmul_tflops']} TF/s, autograd device threads {'on' if autograd_threads else 'off'}")
@@ -139,16 +145,16 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
         print(f"heated up for {heat_up_seconds:g} s: {env['heat_up']}")
     torch.autograd.set_multithreading_enabled(autograd_threads)
     try:
-        return _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds)
+        return _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds, rounds)
     finally:
         torch.autograd.set_multithreading_enabled(True)
 
 
-def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds: float = 0.0) -> int:
+def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds: float = 0.0,
+              rounds: int = 1) -> int:
     table = all_workloads()
     names = workloads or [*table, *small_seq.small_seq_workloads()]
     impls = impls or list(IMPLS)
-    rows = []
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -161,16 +167,17 @@ def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds
         return 2
     jobs = [(n, i) for n in names if n in table for i in impls]
     jobs += [(n, i) for n in names if n in bandwidth for i in small_seq.IMPLS]  # W9 has its own implementations
-    for name, impl in tqdm(jobs, desc="bench", mininterval=5):
-        if impl == "sdpa_dense" and name not in ("W1", "W2"):
-            continue
+    jobs = [(n, i) for n, i in jobs if not (i == "sdpa_dense" and n not in ("W1", "W2"))]
+    samples: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
+    for name, impl in tqdm(jobs * rounds, desc="bench", mininterval=5):
         if pause_seconds > 0:
             torch.cuda.synchronize(device)
             time.sleep(pause_seconds)
         if name in bandwidth:
-            rows.append(small_seq.run_one(bandwidth[name], impl, device, _do_bench))
+            samples[name, impl].append(small_seq.run_one(bandwidth[name], impl, device, _do_bench))
         else:
-            rows.append(run_one(table[name], impl, device))
+            samples[name, impl].append(run_one(table[name], impl, device))
+    rows = [merge_rounds(s) for s in samples.values()]
     print_table(rows, env)
     if json_path:
         with open(json_path, "w") as f:
@@ -179,6 +186,36 @@ def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds
     if plot_path:
         plot(rows, plot_path, env)
     return 0
+
+
+_TIMES = (("fwd_ms", ("fwd_tflops", "fwd_TBps")), ("fwdbwd_ms", ("fwdbwd_tflops", "fwdbwd_TBps")))
+
+
+def merge_rounds(samples: list[dict]) -> dict:
+    """One row from the rounds of one (workload, impl): each time (forward, forward+backward) is the median
+    of the rounds that ran (the lower median for an even count, so that it is a measured value), with the
+    rate measured with it; ``rounds_ms`` keeps every round's times and the GPU state is that of the last
+    round. A row that failed in every round is the first failure; rounds that failed while others ran are
+    counted in ``failed_rounds``."""
+    ran = [s for s in samples if "error" not in s]
+    if len(samples) == 1 or not ran:
+        return samples[0]
+    row = dict(ran[-1])
+    row["rounds_ms"] = {}
+    for time_key, rate_keys in _TIMES:
+        ordered = sorted(ran, key=lambda s: s[time_key])
+        median = ordered[(len(ordered) - 1) // 2]
+        row[time_key] = median[time_key]
+        row.update({k: median[k] for k in rate_keys if k in median})
+        row["rounds_ms"][time_key] = [s[time_key] for s in ran]
+    if len(ran) < len(samples):
+        row["failed_rounds"] = [s["error"] for s in samples if "error" in s]
+    return row
+
+
+def _spread(row: dict, time_key: str) -> str:
+    times = row["rounds_ms"][time_key]
+    return f"{(max(times) - min(times)) / row[time_key]:.0%}"
 
 
 def print_table(rows: list[dict], env: dict | None = None) -> None:
@@ -200,6 +237,8 @@ def print_table(rows: list[dict], env: dict | None = None) -> None:
         by_wl = {wl: impls for wl, impls in by_wl.items() if wl not in bandwidth}
         if not by_wl:
             return
+    if (env or {}).get("rounds", 1) > 1:
+        print(f"times: median of {env['rounds']} rounds; spread (fwd / f+b) = (slowest - fastest) / median")
     header = f"{'workload':<6} {'impl':<16} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9}  ratios (fwd / f+b) vs anchors"
     print(header)
     for wl, impls in by_wl.items():
@@ -213,6 +252,8 @@ def print_table(rows: list[dict], env: dict | None = None) -> None:
                 if a != impl and ar and "error" not in ar and not impl in ANCHORS:
                     ratios.append(f"{a} {r['fwd_tflops'] / ar['fwd_tflops']:.2f}/{r['fwdbwd_tflops'] / ar['fwdbwd_tflops']:.2f}")
             state = f"  [{r['sm_mhz']} MHz {r['temp_c']} C]" if "sm_mhz" in r else ""
+            if "rounds_ms" in r:
+                state += f"  spread {_spread(r, 'fwd_ms')}/{_spread(r, 'fwdbwd_ms')}"
             print(f"{wl:<6} {impl:<16} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>9.1f} {r['fwdbwd_ms']:>8.3f} {r['fwdbwd_tflops']:>9.1f}  {', '.join(ratios)}{state}")
 
 
