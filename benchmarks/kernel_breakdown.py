@@ -1,8 +1,9 @@
 """Where the GPU time of one forward+backward goes: every kernel of ``packattn.attention(...,
 backend="triton" | "triton_tree")`` + ``torch.autograd.grad`` under torch.profiler, averaged over
 ``--iters`` calls (after a warm-up), per workload: kernel name, calls per f+b, GPU microseconds per
-f+b, share of the total; then the GPU sum against the wall time per call (sync after each call) and the
-do_bench median (what `packattn bench` reports).
+f+b, share of the total; then the GPU sum against the host time per call (calls issued back to back), the
+wall time per call (sync after each call) and the do_bench median (what `packattn bench` reports).
+``--forward``: the forward alone.
 
     python3 benchmarks/kernel_breakdown.py W8 W1 W7 docs:1024 [--iters 20]
     python3 benchmarks/kernel_breakdown.py W8 --variant "" --variant "PACKATTN_GLUON_FWD_CONFIG=128,128,3,8,ws"
@@ -31,7 +32,7 @@ import packattn
 from packattn.bench.workloads import Workload, tree_workloads, varlen_workloads
 
 
-def step_fn(w):
+def step_fn(w, forward_only: bool = False):
     desc, q, k, v = w.make_inputs("cuda")
     tree = isinstance(desc, packattn.Tree)
     options = {} if tree else w.options
@@ -40,15 +41,21 @@ def step_fn(w):
 
     def step():
         out = packattn.attention(q, k, v, desc, backend=backend, **options)
-        torch.autograd.grad(out, (q, k, v), dout)
+        if not forward_only:
+            torch.autograd.grad(out, (q, k, v), dout)
 
     return step
 
 
-def breakdown(name: str, w, iters: int) -> None:
-    step = step_fn(w)
+def breakdown(name: str, w, iters: int, forward_only: bool = False) -> None:
+    step = step_fn(w, forward_only)
     for _ in range(3):
         step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    host_us = (time.perf_counter() - start) / iters * 1e6
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
@@ -66,8 +73,9 @@ def breakdown(name: str, w, iters: int) -> None:
             totals[event.name] += event.device_time
             counts[event.name] += 1
     gpu_us = sum(totals.values()) / iters
-    print(f"\n{name}: GPU {gpu_us:.1f} us per f+b (sum of kernels), wall {wall_us:.1f} us per synchronised call, "
-          f"{bench_us:.1f} us do_bench median (as packattn bench)")
+    call = "forward" if forward_only else "f+b"
+    print(f"\n{name}: GPU {gpu_us:.1f} us per {call} (sum of kernels), host {host_us:.1f} us per call issued back to "
+          f"back, wall {wall_us:.1f} us per synchronised call, {bench_us:.1f} us do_bench median (as packattn bench)")
     for kernel, us in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {us / iters:9.1f} us  {counts[kernel] / iters:4.1f}x  {100 * us / iters / gpu_us:5.1f}%  {kernel[:90]}")
 
@@ -76,6 +84,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--forward", action="store_true", help="the forward alone (inputs requiring grad)")
     parser.add_argument("--variant", action="append", help='"NAME=VALUE;NAME=VALUE" ("" = as is); repeatable')
     args = parser.parse_args(argv)
     table = {**varlen_workloads(), **tree_workloads()}
@@ -91,7 +100,7 @@ def main(argv: list[str]) -> int:
             print(f"\n## variant {variant}")
         with mock.patch.dict(os.environ, settings):
             for name in args.workloads:
-                breakdown(name, table[name], args.iters)
+                breakdown(name, table[name], args.iters, args.forward)
     return 0
 
 
