@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import packattn
-from packattn import NoBackendError, Varlen, dispatch, small_seq_attention
+from packattn import NoBackendError, dispatch, small_seq_attention
 from packattn.backends import REGISTRY
 from packattn.backends.small_seq import SmallSeqBackend
 from packattn.mask import Mask
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from triton_varlen_harness import DEVICE
+from triton_varlen_harness import make_inputs as make_packed_inputs
 
 
 # ---------------------------------------------------------------- ground truth
@@ -36,16 +36,9 @@ def brute_force(q, k, v, seqs, scale, dtype=torch.float64):
 
 
 def make_inputs(lengths_kv, lengths_q=None, heads=(4, 2), head_dim=64, dtype=torch.float32, pad=None, seed=0):
+    """`triton_varlen_harness.make_inputs` with the key lengths first: one query per item by default."""
     lengths_q = [1] * len(lengths_kv) if lengths_q is None else lengths_q
-    seqs = Varlen.from_lengths(lengths_q, lengths_kv, pad_to_multiple=pad, device=DEVICE)
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(rows, h):
-        return torch.randn(rows, h, head_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
-
-    q, k, v = rand(seqs.total_q, heads[0]), rand(seqs.total_kv, heads[1]), rand(seqs.total_kv, heads[1])
-    dout = torch.randn(seqs.total_q, heads[0], head_dim, generator=gen).to(DEVICE, dtype)
-    return seqs, q, k, v, dout
+    return make_packed_inputs(lengths_q, lengths_kv, heads, head_dim, dtype, pad, seed)
 
 
 def run_kernel(q, k, v, seqs, dout, **opts):

@@ -20,7 +20,7 @@ import torch
 from packattn.backends import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
-from packattn.backends.triton_varlen import _fix_interpreter_loop_bounds, _last_dim_contiguous
+from packattn.backends.triton_launch import _fix_interpreter_loop_bounds, _last_dim_contiguous
 from packattn.varlen import Varlen
 
 MAX_KEYS = 16  # BLOCK_S of the kernels

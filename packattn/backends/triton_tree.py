@@ -28,9 +28,9 @@ import torch
 from packattn.backends import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported
+from packattn.backends.triton_launch import _last_dim_contiguous, _launch, _precision, block_d, launch_config
 from packattn.backends.triton_varlen import (
-    TritonVarlenBackend, kernel_limits, _last_dim_contiguous, _launch, _precision, block_d, bwd_delta,
-    check_dkdv_choice, dkdv_choice, launch_config, launch_dkdv, unmasked_band,
+    TritonVarlenBackend, kernel_limits, bwd_delta, check_dkdv_choice, dkdv_choice, launch_dkdv, unmasked_band,
 )
 from packattn.mask import Mask
 from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
