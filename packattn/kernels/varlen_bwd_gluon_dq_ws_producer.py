@@ -1,0 +1,124 @@
+"""The load side of the warp-specialised dQ kernel (`packattn.kernels.varlen_bwd_gluon_dq_ws`, whose
+module docstring describes the partitions, barriers, DELTA FROM O and the persistent mode): the work-item
+decode every partition shares (`_dq_tile`), the persistent partitions' Q / dO parity bit, and the 1-warp
+producer partition (per tile Q and dO -- and O with ``DELTA_FROM_O`` -- by TMA, then the key blocks into
+the K / V ring).
+
+Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._work_item`, ``num_blocks
+= 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot
+``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` has count 2 (``CONSUMERS``): both
+consumers read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
+at once.
+
+DELTA FROM O (`varlen_bwd_gluon_dq_ws`), the producer's part:
+
+* Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[64, HEAD_DIM]`` as
+  ``do_desc``) into ``o_smem`` (one more ``[64, HEAD_DIM]`` buffer, 16 KB at d = 128, 8 KB at d = 64) with Q and
+  dO on ``q_bar``: one ``expect`` of the three blocks' bytes (3 x 64 x HEAD_DIM x 2: 49152 at d = 128), three
+  TMA copies. ``q_bar`` completes one phase per program (one tile), the consumer waits parity 0, as without O.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK
+from packattn.kernels.varlen_fwd_gluon import _load_kv_block
+from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _work_item
+
+# persistent state word (`ITEM_MASK`): bit 30 the parity of the Q / dO tiles loaded (producer) / consumed
+# (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
+Q_PHASE_BIT = gl.constexpr(1 << 30)
+
+
+@gluon.jit
+def _program_id(like, OPAQUE_PID: gl.constexpr):
+    """The program id; ``OPAQUE_PID``: read through inline asm that LLVM may not merge with an earlier
+    read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
+    the tile row again instead of keeping the first decode's scalars in registers across the main loop."""
+    if OPAQUE_PID:
+        pid = _opaque_program_id(like)
+    else:
+        pid = gl.program_id(0)
+    return pid
+
+
+@gluon.jit
+def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+             heads_per_section, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
+    """`_work_item` of this program (one program per work item, in `_section_order`); ``OPAQUE_PID``:
+    see `_program_id`."""
+    pid = _program_id(num_heads_q, OPAQUE_PID)
+    return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,
+                      heads_per_section, gl.num_programs(0), HEAD_DIM, BLOCK_N)
+
+
+# ---------------------------------------------------------------- producer
+@gluon.jit
+def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row, col):
+    """TMA the tile's Q and dO (rows ``row ...``, column ``col``) onto ``q_bar``."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [row, col], q_bar, do_smem)
+
+
+@gluon.jit
+def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, first, last, row0_kv, n_base, col_kv,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Ring steps ``first .. last-1`` (counted over the program's work items): K / V rows ``n_base + j *
+    BLOCK_N ...`` into slot ``j % STAGES`` once both consumers released step ``j - STAGES`` there."""
+    for j in range(first, last):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_base, col_kv, last, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                    num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem, k_bufs, v_bufs, q_bar,
+                    q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    PERSISTENT: gl.constexpr, o_desc=None, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
+    """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
+    slot ``j % STAGES`` once the consumers (both, or the only one) released block ``j - STAGES`` there.
+    ``PERSISTENT`` (two consumers only): for each work item ``pid, pid + nprog, ...`` with blocks, its
+    first ``min(num_blocks, STAGES)`` blocks, then Q / dO once both consumers released the previous
+    item's on ``q_empty``, then the other blocks (ring steps and Q / dO loads counted over the items,
+    as the consumers count them). ``DELTA_FROM_O`` (one consumer, not persistent): the tile's O rows
+    (``o_desc``) into ``o_smem`` with Q and dO, on ``q_bar`` (its expected bytes count the three)."""
+    if PERSISTENT:
+        step = 0  # ring steps issued so far
+        state = _opaque_program_id(num_work)  # work item | parity of the Q / dO loads issued so far (`ITEM_MASK`)
+        while (state & ITEM_MASK) < num_work:
+            seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+                _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
+                           num_heads_q, group_size, heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
+            if num_blocks > 0:
+                n_base = n_lo - step * BLOCK_N  # ring step j holds keys n_base + j * BLOCK_N ...
+                split = step + gl.minimum(num_blocks, STAGES)
+                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, step, split, row0_kv, n_base, col_kv,
+                                BLOCK_N, STAGES)
+                mbarrier.wait(q_empty, ((state >> 30) & 1) ^ 1)  # both consumers are done with the previous Q / dO
+                _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row0_q + q_start, head * HEAD_DIM)
+                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, split, step + num_blocks, row0_kv,
+                                n_base, col_kv, BLOCK_N, STAGES)
+                step += num_blocks
+                state = state ^ Q_PHASE_BIT
+            state += _opaque_num_programs(state)
+    else:
+        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                     heads_per_section, HEAD_DIM, BLOCK_N)
+        if num_blocks > 0:
+            if DELTA_FROM_O:  # O with Q and dO: one phase of q_bar, 3 x BLOCK_M x HEAD_DIM elements
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + o_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+                tma.async_copy_global_to_shared(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
+            else:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            for j in range(0, num_blocks):
+                mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                               BLOCK_N)
