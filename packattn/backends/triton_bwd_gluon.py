@@ -20,7 +20,7 @@ viewable as TMA ``(rows, heads * d)`` matrices are copied by the launchers. `glu
 is the same test without strides, for deciding at forward time which tables to build.
 
 In the triton backend (`packattn.backends.triton_varlen`) on sm_90: the dQ pass is `gluon_launch_dq`
-(`use_gluon_dq`, same blocks as the Triton dQ pass) and, at head dim 128, the dK/dV pass is the
+(`triton_varlen.dq_choice`: its tile table's blocks) and, at head dim 128, the dK/dV pass is the
 warp-specialised `gluon_launch_dkdv` (`use_gluon_dkdv`; its key tile table is built by the forward
 with `dkdv_blocks`). Both decisions depend only on dtypes, shapes, device and the environment, so
 the forward and the backward agree; ``PACKATTN_TRITON_BWD=triton`` keeps the Triton passes.
@@ -132,7 +132,7 @@ DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[6
 # 128-query tiles, two consumer warp groups of 64 queries, (K, V) ring by a 1-warp producer. block_n 64
 # with >= 3 stages carries dS[j] into step j+1 (the non-specialised kernel's schedule); block_n 128
 # (2 stages: 192 KB at d = 128) finishes each block's dQ product in its step. (128, 64) configs keep the
-# Triton dQ pass's blocks, so the triton backend's dQ tile table fits them (`triton_varlen.use_gluon_dq`).
+# Triton dQ pass's blocks, so the triton backend's dQ tile table fits them (`triton_varlen.dq_choice`).
 # ",ws,persistent" (`varlen_bwd_gluon_dq_ws`, PERSISTENT: ctas_per_sm x SMs programs loop over the work items, as
 # the persistent WS dK/dV) compiles without spills for (128, 64, 3 or 4 stages), every mask, d 64 / 128; built, not
 # yet measured on a GPU, so off by default ($PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent selects it).
