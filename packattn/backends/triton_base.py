@@ -15,6 +15,13 @@ def interpreting() -> bool:
     return env.get("TRITON_INTERPRET") == "1"
 
 
+def cuda_index(device: torch.device | None) -> int:
+    """The index of CUDA ``device``: its own, or the current device's for a bare "cuda" or None."""
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
 def device_unsupported(device_type: str) -> str | None:
     """CUDA tensors, or CPU tensors under Triton's interpreter."""
     if device_type == "cpu":

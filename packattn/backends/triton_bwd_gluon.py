@@ -41,6 +41,7 @@ import torch
 
 from packattn import env
 from packattn.backends import fast_launch
+from packattn.backends.triton_base import cuda_index
 from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, ws_grid, ws_split)
 
@@ -208,8 +209,7 @@ def gluon_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     backward (which launches), so both sides can call it and agree."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if _capability(index)[0] != 9:
+    if _capability(cuda_index(q.device))[0] != 9:
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False

@@ -41,6 +41,7 @@ import torch
 
 from packattn import env
 from packattn.backends import fast_launch
+from packattn.backends.triton_base import cuda_index
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -160,20 +161,15 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
     override = env.get(ENV_CONFIG)
     if override:
         return parse_config(override)
-    if short_seqs and head_dim in SHORT_CONFIGS and _short_config_gpu(_device_index(device)):
-        return SHORT_CONFIGS[head_dim]
+    if short_seqs and head_dim in SHORT_CONFIGS:
+        if _short_config_gpu(cuda_index(device) if torch.cuda.is_available() else -1):
+            return SHORT_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
-
-
-def _device_index(device: torch.device | None) -> int:
-    if device is not None and device.index is not None:
-        return device.index
-    return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 @functools.lru_cache(maxsize=None)
 def _short_config_gpu(index: int) -> bool:
-    """Is CUDA device ``index`` one of `SHORT_CONFIG_GPUS` (False without a CUDA device)?"""
+    """Is CUDA device ``index`` one of `SHORT_CONFIG_GPUS` (False for -1: no CUDA device)?"""
     if index < 0:
         return False
     name = torch.cuda.get_device_name(index)
@@ -217,8 +213,7 @@ def gluon_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
     tensors = (q, k) if v is None else (q, k, v)
     if not (q.is_cuda and k.is_cuda and (v is None or v.is_cuda)) or q.dim() != 3 or k.dim() != 3:
         return False
-    index = q.device.index
-    if _capability(index if index is not None else torch.cuda.current_device())[0] != 9:
+    if _capability(cuda_index(q.device))[0] != 9:
         return False
     dtype, d = q.dtype, q.shape[-1]
     if dtype not in DTYPES or d not in HEAD_DIMS:
@@ -380,8 +375,7 @@ def ws_grid(device: torch.device, cfg: GluonConfig, num_work: int, resources: di
     ``ctas_per_sm x SMs`` of them looping over the work items (at most ``max_programs``)."""
     if not cfg.persistent:
         return num_work
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    grid = min(num_work, resources["ctas_per_sm"] * _num_sms(index))
+    grid = min(num_work, resources["ctas_per_sm"] * _num_sms(cuda_index(device)))
     return grid if max_programs is None else max(1, min(grid, max_programs))
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from packattn.backends import fast_launch
-from packattn.backends.triton_base import interpreting
+from packattn.backends.triton_base import cuda_index, interpreting
 
 
 # ---------------------------------------------------------------- launch configurations
@@ -94,8 +94,7 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.
     if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        table = HOPPER_CONFIGS if _is_hopper(index) else FALLBACK_CONFIGS
+        table = HOPPER_CONFIGS if _is_hopper(cuda_index(device)) else FALLBACK_CONFIGS
         if kernel == "fwd" and long_seqs and table is HOPPER_CONFIGS and bd in HOPPER_LONG_FWD_CONFIGS:
             return HOPPER_LONG_FWD_CONFIGS[bd]
     return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
