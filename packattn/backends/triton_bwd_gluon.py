@@ -42,6 +42,7 @@ import torch
 from packattn import env
 from packattn.backends import fast_launch
 from packattn.backends.triton_base import cuda_index
+from packattn.backends.triton_launch import _mask_constexprs
 from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, ws_grid, ws_split)
 
@@ -305,11 +306,6 @@ def dq_ws_resources(cfg: GluonBwdConfig, head_dim: int, delta_from_o: bool = Fal
     return ws_split(cfg.num_warps, dq_ws_shared_bytes(cfg, head_dim, delta_from_o=delta_from_o))
 
 
-def _mask_constexprs(mask_args, top_left: bool) -> dict:
-    window_left, window_right, chunk_size = mask_args
-    return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
-
-
 def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask_args,
                       top_left: bool, key_end: torch.Tensor | None = None,
                       config: GluonBwdConfig | None = None, short_seqs: bool = False) -> None:
@@ -342,7 +338,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
     scalars = (*dk.stride()[:2], *dv.stride()[:2], lse.stride()[0],
                heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                  **_mask_constexprs(mask_args, top_left))
+                  **_mask_constexprs(*mask_args, top_left))
     if cfg.warp_specialize:
         from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel
 
@@ -401,7 +397,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     rest = (lse, delta, dq, tiles, *seq_args, *dq.stride()[:2], lse.stride()[0],
             heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_args)
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                  **_mask_constexprs(mask_args, top_left))
+                  **_mask_constexprs(*mask_args, top_left))
     if cfg.warp_specialize:
         from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
 

@@ -42,6 +42,7 @@ import torch
 from packattn import env
 from packattn.backends import fast_launch
 from packattn.backends.triton_base import cuda_index
+from packattn.backends.triton_launch import _mask_constexprs
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -415,7 +416,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
             out.stride(0), out.stride(1), lse.stride(0),
             heads_q, heads_q // heads_kv, scale * LOG2E, window_left, window_right, chunk_size)
-    masks = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_CHUNK=chunk_size > 0, TOP_LEFT=top_left)
+    masks = _mask_constexprs(window_left, window_right, chunk_size, top_left)
     if not cfg.warp_specialize:
         from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
 

@@ -149,6 +149,7 @@ def _launch(kernel, grid, args, constexprs, config: LaunchConfig):
 
 # ---------------------------------------------------------------- what every launcher shares
 def _mask_constexprs(window_left: int, window_right: int, chunk_size: int, top_left: bool) -> dict:
+    """The mask constexprs every varlen-family kernel takes (Triton and Gluon, forward and backward)."""
     return {"HAS_LEFT": window_left >= 0, "HAS_RIGHT": window_right >= 0, "HAS_CHUNK": chunk_size > 0,
             "TOP_LEFT": top_left}
 
