@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -20,8 +21,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernel_breakdown import step_fn
-from packattn.bench.workloads import tree_workloads, varlen_workloads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_breakdown import step_fn  # noqa: E402
+
+from packattn.bench.workloads import tree_workloads, varlen_workloads  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
