@@ -21,7 +21,7 @@ def _do_bench(fn) -> float:
     starts with depend on the row before it, so the warm-up is long enough for them to move towards this
     call's own level (results/2026-11-25/s11_bench_order_h100.txt: W1 forward 0.828-0.904 ms across runs
     with 25 ms warm-ups). It did not remove the drift of W3's forward in the full bench (benchmarks/NOTES.md,
-    "W3 against W1")."""
+    "W3 against W1"); measuring every row in several rounds did (`run_bench`'s ``rounds``)."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=250, rep=100, return_mode="median")
