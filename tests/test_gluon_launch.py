@@ -27,7 +27,8 @@ def test_head_sections_tile_the_heads(heads_kv, group, env, short, monkeypatch):
         assert per // group <= wanted  # rounded down to a divisor of the kv heads, never up
 
 
-def test_short_batches_take_their_own_head_section():
+def test_short_batches_take_their_own_head_section(monkeypatch):
+    monkeypatch.delenv(tg.ENV_HEAD_SECTION, raising=False)
     assert tg.SHORT_HEAD_SECTION != tg.HEAD_SECTION
     assert tg.heads_per_section(16, 1, short_seqs=True) == tg.SHORT_HEAD_SECTION
     assert tg.heads_per_section(16, 1) == tg.HEAD_SECTION
