@@ -60,7 +60,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from packattn.kernels.tree_fwd_gluon import _count_blocks, _ends_copy, _first_block, _next_block
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
-from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step, _program_id
+from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step
+from packattn.kernels.varlen_bwd_gluon_dq_ws_producer import _program_id
 from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
 from packattn.kernels.varlen_fwd_gluon_ws import _section_order
 
@@ -72,7 +73,7 @@ FULL = gl.constexpr(2)
 def _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section, OPAQUE_PID: gl.constexpr = False):
     """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (one program per
     work item, in `varlen_fwd_gluon_ws._section_order`); ``OPAQUE_PID``: see
-    `varlen_bwd_gluon_dq_ws._program_id`."""
+    `varlen_bwd_gluon_dq_ws_producer._program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
     tile, head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)

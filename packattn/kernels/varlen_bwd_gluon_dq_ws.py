@@ -178,7 +178,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.kernels.varlen_bwd_gluon_dq_ws_producer import Q_PHASE_BIT, _dq_tile, _dq_ws_producer
-from packattn.kernels.varlen_bwd_gluon_dq_ws_producer import _program_id as _program_id  # (`tree_dq_gluon_ws`)
 from packattn.kernels.varlen_bwd_gluon_ws import _count_tail, _store_rows_direct, _tail_phase
 from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK
 from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
