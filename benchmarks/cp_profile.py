@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import packattn.cp as cp
-from packattn.bench.cp import _union, w10
+from packattn.bench.cp import _union, after_first_nccl, w10
 
 
 def main() -> None:
@@ -43,19 +43,20 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    dist.barrier()
     from torch.profiler import ProfilerActivity, profile
 
     reps = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dist.barrier()  # inside the profiler: a rank whose profiler starts late must not stall the first step
+        torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / reps
-    gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
-           if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
-    busy = sum(b - a for a, b in _union(gpu)) / 1e3 / reps
+    kernels = after_first_nccl([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0])
+    busy = sum(b - a for a, b in _union([(s, e) for _, s, e in kernels])) / 1e3 / reps
     if rank == 0:
         print(f"{args.strategy}:{args.balance} {args.mode} on {w.name}: wall {wall:.3f} ms per call, "
               f"GPU busy {busy:.3f} ms ({100 * busy / wall:.0f}%), local rows {plan.num_local}")

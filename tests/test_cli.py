@@ -66,6 +66,16 @@ def test_exposed_communication_counts_only_uncovered_nccl_time():
     assert exposed_communication([("k", 0.0, 5.0)]) == (0.0, 0.0)
 
 
+def test_profiled_kernels_start_after_the_barrier():
+    from packattn.bench.cp import after_first_nccl
+
+    barrier = ("ncclDevKernel_AllReduce_Sum_u8", 10.0, 600.0)  # waited for a peer whose profiler started late
+    early = ("warm_kernel", 0.0, 5.0)
+    work = [("ncclDevKernel_AllGather", 610.0, 700.0), ("attn_fwd", 650.0, 900.0)]
+    assert after_first_nccl([work[1], barrier, early, work[0]]) == [work[1], work[0]]
+    assert after_first_nccl([early]) == [early]
+
+
 def test_cp_scaling_plot(tmp_path):
     pytest.importorskip("matplotlib")
     import json

@@ -97,16 +97,26 @@ def _profile_kernels(fn) -> list[tuple[str, float, float]]:
 
     fn()
     torch.cuda.synchronize()
-    dist.barrier()  # ranks enter together: NCCL kernels waiting for a late peer would count as communication
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # The barrier runs inside the profiler: ranks leave it together after each one's profiler has
+        # started (a rank whose profiler starts late would make the other's NCCL kernels wait, and that
+        # wait would count as communication: the first profile of a process takes ~0.5 s to start).
+        dist.barrier()
+        torch.cuda.synchronize()
         fn()
         torch.cuda.synchronize()
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
-    return out
+    kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    return after_first_nccl(kernels)
+
+
+def after_first_nccl(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The kernels that start after the first NCCL kernel (the barrier's all-reduce) has ended; all
+    of them when there is no NCCL kernel."""
+    nccl_ends = [e for n, s, e in sorted(kernels, key=lambda k: k[1]) if "nccl" in n.lower()]
+    if not nccl_ends:
+        return kernels
+    return [k for k in kernels if k[1] >= nccl_ends[0]]
 
 
 def _group_for(strategy: str, world: int):
