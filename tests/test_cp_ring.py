@@ -336,3 +336,36 @@ def test_duplicate_free_passes():
     passes = ring_layout._duplicate_free_passes(index)
     assert [p.tolist() for p in passes] == [[0, 1, 3], [2, 5], [4]]
     assert ring_layout._duplicate_free_passes(torch.tensor([4, 0, 2])) == ()
+
+
+def test_rows_span_only_for_a_run_without_dummies_or_repeats():
+    run = ring_layout.Rows.build(torch.tensor([4, 5, 6]), "cpu", dummy=9)
+    assert run.span == (4, 3)
+    x = torch.arange(20.0).reshape(10, 2)
+    assert run.gather(x).data_ptr() == x[4].data_ptr()  # a view, no copy
+    acc = torch.zeros(10, 2)
+    run.add_to(acc, torch.ones(3, 2))
+    assert acc.sum(1).tolist() == [0, 0, 0, 0, 2, 2, 2, 0, 0, 0]
+    for index in ([4, 6, 7], [4, 5, 9], [4, 5, 4], [5, 4]):  # a gap, a dummy, a repeat, descending
+        rows = ring_layout.Rows.build(torch.tensor(index), "cpu", dummy=9)
+        assert rows.span is None
+        assert torch.equal(rows.gather(torch.cat([x, x.new_zeros(1, 2)])), torch.cat([x, x.new_zeros(1, 2)])[index])
+
+
+@pytest.mark.parametrize("mask", list(LAYOUT_MASKS))
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_ring_first_writes_are_exactly_the_untouched_rows(balance, mask):
+    """Host only: a pass marked first writes rows no earlier pass wrote, a pass not marked first
+    writes some row an earlier pass wrote (else it would merge into zeros for nothing)."""
+    seqs = Varlen.from_lengths([1, 0, 7, 3, 29, 2, 16, 40], pad_to_multiple=3)
+    m = masks.Mask.make(**LAYOUT_MASKS[mask])
+    for rank in range(3):
+        plan = cp.plan(seqs, world=3, rank=rank, strategy="p2p", balance=balance)
+        layout = ring_layout.build_layout(plan, m, "cpu")
+        written = set()
+        for step in layout.steps:
+            for part in step.parts:
+                for (_, rows), first in zip(part.q.groups(), part.q.first, strict=True):
+                    rows = set(rows.tolist())
+                    assert first == (not rows & written)
+                    written |= rows

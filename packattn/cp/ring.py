@@ -148,20 +148,34 @@ def _weights(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def _merge(acc: torch.Tensor, lse_acc: torch.Tensor, rows: Rows, out: torch.Tensor, lse: torch.Tensor):
     """Fold one part's ``(out, lse)`` into the running result of its query rows, in place (dummy
-    rows dropped; a row in several sequences merged once per pass)."""
-    for positions, index in rows.groups():
-        _merge_rows(acc, lse_acc, index, _take(out, positions), _take(lse, positions, 1))
+    rows dropped; a row in several sequences merged once per pass; a pass that is the first to
+    write its rows copies)."""
+    for (positions, index), first in zip(rows.groups(), rows.first):
+        out_p, lse_p = _take(out, positions), _take(lse, positions, 1)
+        if rows.span is not None:  # the rows are a run: merge into views of the result
+            _merge_into(acc.narrow(0, *rows.span), lse_acc.narrow(1, *rows.span), out_p, lse_p, first)
+        elif first:
+            acc.index_copy_(0, index, out_p.to(acc.dtype))
+            lse_acc.index_copy_(1, index, lse_p.to(lse_acc.dtype))
+        else:
+            old_out, old_lse = acc.index_select(0, index), lse_acc.index_select(1, index)
+            _merge_into(old_out, old_lse, out_p, lse_p, False)
+            acc.index_copy_(0, index, old_out)
+            lse_acc.index_copy_(1, index, old_lse)
 
 
-def _merge_rows(acc: torch.Tensor, lse_acc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """Fold ``(out, lse)`` of local rows ``index`` (no repeats) into the running result, in place."""
-    old_out, old_lse = acc.index_select(0, index), lse_acc.index_select(1, index)
+def _merge_into(acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, first: bool):
+    """``(acc, lse_acc) <- merge((acc, lse_acc), (out, lse))`` in place (rows aligned); ``first``:
+    nothing was written to these rows yet (acc 0, lse -inf), so the merge is a copy."""
+    if first:
+        acc.copy_(out)
+        lse_acc.copy_(lse)
+        return
     lse = lse.to(lse_acc.dtype)
-    new_lse = torch.logaddexp(old_lse, lse)
-    w_old, w_new = _weights(old_lse, new_lse).t()[..., None], _weights(lse, new_lse).t()[..., None]
-    merged = old_out * w_old + out.to(acc.dtype) * w_new
-    acc.index_copy_(0, index, merged)
-    lse_acc.index_copy_(1, index, new_lse)
+    new_lse = torch.logaddexp(lse_acc, lse)
+    w_old, w_new = _weights(lse_acc, new_lse).t()[..., None], _weights(lse, new_lse).t()[..., None]
+    acc.mul_(w_old).addcmul_(out, w_new)
+    lse_acc.copy_(new_lse)
 
 
 def _use_triton(part: Part, q, k, v, backend: str, deterministic: bool) -> bool:

@@ -27,11 +27,17 @@ class Rows:
     tensor behind each buffer row (for queries, ``num_local`` marks a dummy zero row), and
     ``passes``, how to merge or add results back into those rows in a fixed order:
     ``(positions in the buffer, their rows)`` per pass, no row twice in a pass, dummy rows left
-    out; ``()`` when ``index`` itself repeats no row and has no dummy."""
+    out; ``()`` when ``index`` itself repeats no row and has no dummy. ``span``: ``(start, count)``
+    when ``index`` is the run ``start, start + 1, ...`` (no dummy, no repeat): the buffer is then a
+    view of the source (no copy) and results go back in place. ``first``: per pass, whether it is
+    the first to write its rows in the forward's order (`mark_first_writes`; a plain copy then, no
+    merge)."""
 
     index: torch.Tensor
     passes: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     dummies: bool  # some buffer row is a dummy (reads the zero row that `_with_zero_row` appends)
+    span: tuple[int, int] | None = None
+    first: tuple[bool, ...] = ()
 
     @classmethod
     def build(cls, index: torch.Tensor, device, dummy: int | None = None) -> Rows:
@@ -43,19 +49,33 @@ class Rows:
         if not groups and dummies:
             groups = (torch.arange(positions.numel()),)
         passes = tuple((positions[g].to(device), index[positions[g]].to(device)) for g in groups)
-        return cls(index.to(device), passes, dummies)
+        span = None
+        if not passes and index.numel() and torch.equal(index, torch.arange(int(index[0]), int(index[0]) + index.numel())):
+            span = (int(index[0]), index.numel())
+        return cls(index.to(device), passes, dummies, span, (False,) * max(len(passes), 1))
 
     def groups(self):
         """``(positions in the buffer, or None for all of it; rows)`` per pass."""
         return self.passes or ((None, self.index),)
 
+    def host_groups(self) -> list[torch.Tensor]:
+        """The rows of every pass, on the host (layout building only)."""
+        return [rows.cpu() for _, rows in self.groups()]
+
     def gather(self, x: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
         """The buffer: the rows of ``x`` (along ``dim``) at ``index``; with dummies, ``x`` must end
-        with a zero row (`_with_zero_row`)."""
-        return None if x is None else x.index_select(dim, self.index)
+        with a zero row (`_with_zero_row`). A view of ``x`` for a span."""
+        if x is None:
+            return None
+        if self.span is not None:
+            return x.narrow(dim, *self.span).contiguous()  # a view when dim is 0
+        return x.index_select(dim, self.index)
 
     def add_to(self, acc: torch.Tensor, values: torch.Tensor) -> None:
         """``acc[index] += values`` over the real rows, pass by pass (a fixed order)."""
+        if self.span is not None:
+            acc.narrow(0, *self.span).add_(values)
+            return
         for positions, rows in self.groups():
             acc.index_add_(0, rows, _take(values, positions))
 
@@ -162,6 +182,19 @@ def _messages(plan: CPPlan, pieces: list[torch.Tensor]) -> _Messages:
     return _Messages(offset, length, rows)
 
 
+def mark_first_writes(steps: list[Step], num_local: int) -> None:
+    """Set every query `Rows`' ``first``: whether a pass is the first, in the forward's order
+    (steps, parts, passes), to write any of its rows; such a pass writes instead of merging."""
+    written = torch.zeros(num_local, dtype=torch.bool)
+    for step in steps:
+        for part in step.parts:
+            first = []
+            for rows in part.q.host_groups():
+                first.append(not bool(written[rows].any()))
+                written[rows] = True
+            part.q.first = tuple(first)
+
+
 def build_layout(plan: CPPlan, mask: Mask, device) -> RingLayout:
     """The `RingLayout` of ``plan`` for ``mask`` (bottom-right: in global self-attention both
     alignments agree)."""
@@ -175,6 +208,7 @@ def build_layout(plan: CPPlan, mask: Mask, device) -> RingLayout:
         steps = _run_steps(plan, mask, pieces, local_start, messages, device)
     else:
         steps = _pair_steps(plan, mask, pieces, local_start, messages, device)
+    mark_first_writes(steps, plan.num_local)
     parts = steps[0].parts
     identity = torch.arange(plan.num_local, device=device)
     local_only = (len(steps) == 1 and len(parts) == 1 and not parts[0].q.dummies
