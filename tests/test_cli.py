@@ -56,6 +56,17 @@ def test_cp_accuracy_check_allows_twice_the_single_gpu_error():
     assert _accuracy_word({}) == "unchecked"
 
 
+def test_cp_row_says_unchecked_when_the_checks_did_not_run():
+    from packattn.bench.cp import _format_row
+
+    row = {"impl": "packattn:cp:p2p:zigzag", "fwd_ms": 1.0, "fwd_tflops": 2.0, "fwdbwd_ms": 3.0, "fwdbwd_tflops": 4.0,
+           "comm_ms_fwdbwd": 0.5, "exposed_comm_ms_fwdbwd": 0.1, "peak_mem_gib": 1.0}
+    line = _format_row(row)  # --no-check: no errors, no determinism run
+    assert "max rel err unchecked" in line and "deterministic unchecked" in line and "DIFFERS" not in line
+    checked = _format_row(dict(row, errors={"out": 1e-3, "dq": 3e-3}, deterministic_bitwise=False))
+    assert "max rel err 3.0e-03" in checked and "deterministic DIFFERS" in checked
+
+
 def test_exposed_communication_counts_only_uncovered_nccl_time():
     from packattn.bench.cp import exposed_communication
 

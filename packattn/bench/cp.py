@@ -284,13 +284,14 @@ def _format_row(row: dict) -> str:
     if "error" in row:
         return f"{name} ERROR {row['error']}"
     errors = row.get("errors", {})
-    worst = max(errors.values()) if errors else float("nan")
+    worst = f"{max(errors.values()):.1e}" if errors else "unchecked"
+    repeatable = {True: "bitwise", False: "DIFFERS", None: "unchecked"}[row.get("deterministic_bitwise")]
     return (f"{name} fwd {row['fwd_ms']:7.3f} ms {row['fwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwd', 0):.2f} | "
             f"fwd+bwd {row['fwdbwd_ms']:7.3f} ms {row['fwdbwd_tflops']:6.1f} TF/s/GPU eff {row.get('eff_fwdbwd', 0):.2f} | "
             f"comm {row['comm_ms_fwdbwd']:.3f} ms, exposed {row['exposed_comm_ms_fwdbwd']:.3f} ms | "
-            f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst:.1e} | "
+            f"peak {row['peak_mem_gib']:.1f} GiB | max rel err {worst} | "
             f"vs fp32 {_accuracy_word(row)} | "
-            f"deterministic {'bitwise' if row.get('deterministic_bitwise') else 'DIFFERS'}")
+            f"deterministic {repeatable}")
 
 
 def _accuracy_word(row: dict) -> str:
