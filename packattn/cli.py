@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         from packattn.bench.cp import run_cp_bench
 
         return run_cp_bench(args.strategies, args.balances, args.backend, args.json, check=not args.no_check,
-                            overlap_groups=args.overlap_groups, docs=args.cp_docs)
+                            overlap_groups=args.overlap_groups, docs=args.cp_docs, plot_path=args.plot)
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 

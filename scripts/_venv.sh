@@ -14,3 +14,4 @@ python -m pip install -q -e ".[test]"
 # optional integrations whose tests run in CI too (CPU builds)
 python -c "import jax" 2>/dev/null || python -m pip install -q "jax==0.10.2" "jaxlib==0.10.2"
 python -c "import transformers" 2>/dev/null || python -m pip install -q "transformers==5.18.0"
+python -c "import matplotlib" 2>/dev/null || python -m pip install -q "matplotlib==3.11.2"  # the bench plots (tests/test_cli.py)

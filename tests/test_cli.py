@@ -103,6 +103,17 @@ def test_cp_scaling_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cp_rows_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from packattn.bench.cp import plot_rows
+
+    rows = [{"impl": "packattn:cp:allgather:documents", "eff_fwd": 0.93, "eff_fwdbwd": 0.96},
+            {"impl": "packattn:cp:p2p:zigzag", "error": "boom"}]
+    png = tmp_path / "cp.png"
+    plot_rows(rows, "W10 on 2x test", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_table_shows_the_gpu_state_of_each_row(capsys):
     """Rows carry the SM clock / temperature `_gpu_state` recorded after them (a GPU that heats up
     over a run clocks down); without NVML (CPU here) the state is empty and the row prints without it."""

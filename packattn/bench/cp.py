@@ -152,7 +152,8 @@ def _single_gpu(backend: str, docs: str) -> tuple[float, float]:
 
 
 def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_path: str | None = None,
-                 check: bool = True, overlap_groups: list[int] | None = None, docs: str = "w10") -> int:
+                 check: bool = True, overlap_groups: list[int] | None = None, docs: str = "w10",
+                 plot_path: str | None = None) -> int:
     if "RANK" not in os.environ:
         print("packattn bench --cp runs under torchrun, e.g.\n"
               "  torchrun --nproc_per_node 2 -m packattn.cli bench --cp --json W10.json")
@@ -191,6 +192,8 @@ def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_p
         if json_path:
             with open(json_path, "w") as f:
                 json.dump({"env": env, "rows": rows}, f, indent=1)
+        if plot_path:
+            plot_rows(rows, f"{w.name} on {world}x {env['gpu']}", plot_path)
     dist.destroy_process_group()
     return 0
 
@@ -299,6 +302,32 @@ def _accuracy_word(row: dict) -> str:
         return "unchecked"
     worst = max(row["errors_vs_fp32"][n] / max(row["single_errors_vs_fp32"][n], 1e-30) for n in GRADS)
     return f"{'OK' if row['accuracy_ok'] else 'FAIL'} ({worst:.2f}x one GPU)"
+
+
+def plot_rows(rows: list[dict], title: str, png: str) -> None:
+    """Parallel efficiency, forward and forward+backward, one pair of bars per strategy row of one
+    `run_cp_bench` run (failed rows left out), with the issue's 0.85 line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "eff_fwd" in r]
+    names = [r["impl"].removeprefix("packattn:cp:") for r in done]
+    y = range(len(done))
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.45 * len(done)))
+    ax.barh([i - 0.2 for i in y], [r["eff_fwd"] for r in done], height=0.4, label="fwd")
+    ax.barh([i + 0.2 for i in y], [r["eff_fwdbwd"] for r in done], height=0.4, label="fwd+bwd")
+    ax.axvline(0.85, color="grey", linestyle="--", linewidth=1)
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.1)
+    ax.set_xlabel("parallel efficiency (one GPU = 1)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 def plot_scaling(json_paths: list[str], png: str) -> None:
