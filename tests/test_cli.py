@@ -114,6 +114,30 @@ def test_cp_rows_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from packattn.bench import runner
+
+    rows = [{"workload": "W1", "impl": "packattn:triton", "fwd_tflops": 480.0, "fwdbwd_tflops": 420.0},
+            {"workload": "W1", "impl": "torch_varlen", "fwd_tflops": 280.0, "fwdbwd_tflops": 260.0},
+            {"workload": "W8", "impl": "torch_varlen", "error": "boom"},
+            {"workload": "W9", "impl": "packattn:small_seq", "fwd_TBps": 3.0}]
+    png = tmp_path / "bench.png"
+    runner.plot(rows, png, {"gpu": "test", "torch": "x", "date": "today"})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib_skip_with_a_message(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from packattn.bench.cp import plot_rows
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    plot_rows([{"impl": "packattn:cp:p2p:documents", "eff_fwd": 0.9, "eff_fwdbwd": 0.9}], "t", str(tmp_path / "x.png"))
+    assert "matplotlib missing" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_bench_table_shows_the_gpu_state_of_each_row(capsys):
     """Rows carry the SM clock / temperature `_gpu_state` recorded after them (a GPU that heats up
     over a run clocks down); without NVML (CPU here) the state is empty and the row prints without it."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import packattn
 import packattn.cp as cp
+from packattn.bench.plotting import pyplot
 from packattn.bench.workloads import Workload, doc_lengths
 
 STRATEGIES = ("allgather", "p2p", "a2a", "a2a+p2p")
@@ -307,10 +308,9 @@ def _accuracy_word(row: dict) -> str:
 def plot_rows(rows: list[dict], title: str, png: str) -> None:
     """Parallel efficiency, forward and forward+backward, one pair of bars per strategy row of one
     `run_cp_bench` run (failed rows left out), with the issue's 0.85 line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     done = [r for r in rows if "eff_fwd" in r]
     names = [r["impl"].removeprefix("packattn:cp:") for r in done]
@@ -333,10 +333,9 @@ def plot_rows(rows: list[dict], title: str, png: str) -> None:
 def plot_scaling(json_paths: list[str], png: str) -> None:
     """Parallel efficiency (forward+backward) against world size, one line per strategy:balance,
     from `run_cp_bench` JSON files of several world sizes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     lines: dict[str, list[tuple[int, float]]] = {}
     gpu = ""

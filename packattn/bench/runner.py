@@ -12,6 +12,7 @@ import torch
 import packattn
 from packattn.bench import small_seq
 from packattn.bench.anchors import ANCHORS, EXPANDED_ANCHORS, IMPLS, Unavailable
+from packattn.bench.plotting import pyplot
 from packattn.bench.workloads import TreeWorkload, Workload, all_workloads
 
 
@@ -258,13 +259,8 @@ def print_table(rows: list[dict], env: dict | None = None) -> None:
 
 
 def plot(rows: list[dict], path, env) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in rows if "fwd_TBps" not in r]  # bandwidth workloads (W9) are in the table only
     wls = sorted({r["workload"] for r in rows})
