@@ -16,6 +16,10 @@ The process re-executes itself with glibc's mmap disabled (``MALLOC_MMAP_MAX_=0`
 ``torch.empty`` otherwise costs ~50 us of mmap/munmap per call on CPU, where the CUDA caching
 allocator takes ~2 us; it still costs ~10 us here (4 such outputs per f+b).
 
+Fills are real memsets here: the short-batch backward's ``delta = zeros_like(lse)`` (2 MB on W8)
+costs 85-260 us of CPU per f+b (see ``--profile``), where the GPU path launches one fill kernel
+(a few us of host): subtract it from the forward + backward figure.
+
 usage: python3 benchmarks/probe_host_cpu.py [--calls 200] [--repeats 7] [--profile] [--workload W8|W1|W3|...]
 """
 
