@@ -369,3 +369,16 @@ def test_ring_first_writes_are_exactly_the_untouched_rows(balance, mask):
                     rows = set(rows.tolist())
                     assert first == (not rows & written)
                     written |= rows
+
+
+def test_ring_layout_is_local_only_exactly_when_no_document_is_shared():
+    """Host only: whole documents on every rank (balance "documents", short documents) give one local
+    call; cut documents (zigzag) give ring steps."""
+    seqs = Varlen.from_lengths([1, 2, 1, 2, 1, 1])
+    m = masks.Mask.make(True, None, None)
+    for balance, expected in (("documents", True), ("zigzag", False)):
+        for rank in range(2):
+            plan = cp.plan(seqs, world=2, rank=rank, strategy="p2p", balance=balance)
+            layout = ring_layout.build_layout(plan, m, "cpu")
+            assert layout.local_only == expected
+            assert layout.local_only == (layout.message_rows == 0 and len(layout.steps) == 1)

@@ -38,6 +38,7 @@ class Rows:
     dummies: bool  # some buffer row is a dummy (reads the zero row that `_with_zero_row` appends)
     span: tuple[int, int] | None = None
     first: tuple[bool, ...] = ()
+    host_rows: tuple[torch.Tensor, ...] = ()  # the rows of `groups` on the host (layout building: no sync)
 
     @classmethod
     def build(cls, index: torch.Tensor, device, dummy: int | None = None) -> Rows:
@@ -48,19 +49,16 @@ class Rows:
         dummies = not bool(real.all())
         if not groups and dummies:
             groups = (torch.arange(positions.numel()),)
-        passes = tuple((positions[g].to(device), index[positions[g]].to(device)) for g in groups)
+        host_rows = tuple(index[positions[g]] for g in groups) or (index,)
+        passes = tuple((positions[g].to(device), rows.to(device)) for g, rows in zip(groups, host_rows))
         span = None
         if not passes and index.numel() and torch.equal(index, torch.arange(int(index[0]), int(index[0]) + index.numel())):
             span = (int(index[0]), index.numel())
-        return cls(index.to(device), passes, dummies, span, (False,) * max(len(passes), 1))
+        return cls(index.to(device), passes, dummies, span, (False,) * len(host_rows), host_rows)
 
     def groups(self):
         """``(positions in the buffer, or None for all of it; rows)`` per pass."""
         return self.passes or ((None, self.index),)
-
-    def host_groups(self) -> list[torch.Tensor]:
-        """The rows of every pass, on the host (layout building only)."""
-        return [rows.cpu() for _, rows in self.groups()]
 
     def gather(self, x: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
         """The buffer: the rows of ``x`` (along ``dim``) at ``index``; with dummies, ``x`` must end
@@ -189,7 +187,7 @@ def mark_first_writes(steps: list[Step], num_local: int) -> None:
     for step in steps:
         for part in step.parts:
             first = []
-            for rows in part.q.host_groups():
+            for rows in part.q.host_rows:
                 first.append(not bool(written[rows].any()))
                 written[rows] = True
             part.q.first = tuple(first)
@@ -210,9 +208,8 @@ def build_layout(plan: CPPlan, mask: Mask, device) -> RingLayout:
         steps = _pair_steps(plan, mask, pieces, local_start, messages, device)
     mark_first_writes(steps, plan.num_local)
     parts = steps[0].parts
-    identity = torch.arange(plan.num_local, device=device)
-    local_only = (len(steps) == 1 and len(parts) == 1 and not parts[0].q.dummies
-                  and torch.equal(parts[0].q.index, identity) and torch.equal(parts[0].kv.index, identity))
+    everything = (0, plan.num_local)  # the span of all local rows in order (a span has no dummy, no repeat)
+    local_only = len(steps) == 1 and len(parts) == 1 and parts[0].q.span == everything == parts[0].kv.span
     dummies = any(part.q.dummies for step in steps for part in step.parts)
     return RingLayout(steps, send_index.to(device), own_rows.to(device), messages.rows, local_only, dummies)
 
