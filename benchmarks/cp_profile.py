@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import packattn.cp as cp
-from packattn.bench.cp import _union, after_first_nccl, w10
+from packattn.bench.cp import _union, profiled_kernels, w10
 
 
 def main() -> None:
@@ -54,8 +54,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / reps
-    kernels = after_first_nccl([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0])
+    kernels = profiled_kernels(prof)
     busy = sum(b - a for a, b in _union([(s, e) for _, s, e in kernels])) / 1e3 / reps
     if rank == 0:
         print(f"{args.strategy}:{args.balance} {args.mode} on {w.name}: wall {wall:.3f} ms per call, "

@@ -106,9 +106,14 @@ def _profile_kernels(fn) -> list[tuple[str, float, float]]:
         torch.cuda.synchronize()
         fn()
         torch.cuda.synchronize()
-    kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
-    return after_first_nccl(kernels)
+    return profiled_kernels(prof)
+
+
+def profiled_kernels(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the GPU kernels of a profile whose first NCCL kernel is the
+    barrier that aligned the ranks (`after_first_nccl`)."""
+    return after_first_nccl([(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0])
 
 
 def after_first_nccl(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
