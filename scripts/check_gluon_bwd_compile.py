@@ -71,11 +71,10 @@ SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
 KERNELS = {"dkdv": (varlen_bwd_dkdv_gluon_kernel, tb.dkdv_config),
            "dq": (varlen_bwd_dq_gluon_kernel, tb.dq_config)}
-INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "KeyEnd", "intervals",
-                "pair_base")
+INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "KeyEnd", "intervals")
 # a real launch gives these tt.divisibility = 16: 16-byte aligned tensors, (rows, heads, d) contiguous
 # strides (multiples of d), lse / delta rows a multiple of 16 (true of the workloads, not of every batch)
-ALIGNED = set(INT_POINTERS) | {"Lse", "Delta", "dK", "dV", "dQ", "P", "dS", "stride_dk_row", "stride_dk_head", "stride_dv_row",
+ALIGNED = set(INT_POINTERS) | {"Lse", "Delta", "dK", "dV", "dQ", "stride_dk_row", "stride_dk_head", "stride_dv_row",
                                "stride_dv_head", "stride_dq_row", "stride_dq_head", "stride_lse_head"}
 
 
@@ -128,15 +127,13 @@ def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from
 
 
 def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False,
-                    persistent: bool = False, delta_from_o: bool = False, store_pds: bool = False):
+                    persistent: bool = False, delta_from_o: bool = False):
     """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
     the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``persistent``: the
     warp-specialised dK/dV or dQ kernel's persistent variant (``PERSISTENT``, always set for both: a
     constexpr left out would be compiled as a runtime argument); ``delta_from_o``: the one-consumer
     warp-specialised dQ kernel with ``DELTA_FROM_O`` (an O descriptor of ``BLOCK_M`` rows; without it the
-    WS dQ kernel gets ``DELTA_FROM_O=False`` and ``o_desc=None``, as `gluon_launch_dq` passes them);
-    ``store_pds``: that kernel with ``STORE_PDS`` too (the STORED backward's pair tiles, `triton_stored`;
-    without it ``P``, ``dS``, ``pair_base`` and ``num_pairs`` are None, as the launcher passes them)."""
+    WS dQ kernel gets ``DELTA_FROM_O=False`` and ``o_desc=None``, as `gluon_launch_dq` passes them)."""
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
@@ -162,11 +159,9 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
         elif persistent:
             raise ValueError("the tree dQ kernel has no persistent mode")
         if fn is varlen_bwd_dq_gluon_ws_kernel:
-            constexprs.update(DELTA_FROM_O=delta_from_o, STORE_PDS=store_pds)
+            constexprs.update(DELTA_FROM_O=delta_from_o)
             if not delta_from_o:
                 constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
-            if not store_pds:
-                constexprs.update(P=None, dS=None, pair_base=None, num_pairs=None)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     signature = {}
     for name in fn.arg_names:
@@ -176,7 +171,7 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
             signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
         elif name in ("k_desc", "v_desc"):
             signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
-        elif name in ("dK", "dV", "dQ", "P", "dS"):
+        elif name in ("dK", "dV", "dQ"):
             signature[name] = "*" + dtype_name
         elif name in ("Lse", "Delta"):
             signature[name] = "*fp32"
@@ -255,8 +250,6 @@ def main() -> int:
     parser.add_argument("--delta-from-o", action="store_true",
                         help="the one-consumer warp-specialised dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) "
                              "in the kernel; the short-sequence config unless --config, other configs skipped)")
-    parser.add_argument("--store-pds", action="store_true",
-                        help="with --delta-from-o: also STORE_PDS (the STORED backward's dQ pass, `triton_stored`)")
     args = parser.parse_args()
     config = tb.parse_config(args.config) if args.config else None
     persistent = args.persistent or bool(config and config.persistent)
@@ -287,7 +280,7 @@ def main() -> int:
                             continue
                     try:
                         cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, variant_config, args.tree,
-                                                        persistent, args.delta_from_o, args.store_pds)
+                                                        persistent, args.delta_from_o)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -315,8 +308,7 @@ def main() -> int:
                     failures += bool(bad)
                     print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
                           f"warps={cfg.num_warps}{' ws' if cfg.warp_specialize else ''}"
-                          f"{' DELTA_FROM_O' if args.delta_from_o else ''}{' STORE_PDS' if args.store_pds else ''}"
-                          f" shared={shared}"
+                          f"{' DELTA_FROM_O' if args.delta_from_o else ''} shared={shared}"
                           f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''}{occupancy} | {usage}", flush=True)
                     print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
                     if regions:

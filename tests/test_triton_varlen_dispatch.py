@@ -53,9 +53,8 @@ def test_custom_ops_opcheck():
     fwd, dkdv = (triton_varlen.launch_config(name, 32, q.dtype, q.device) for name in ("fwd", "dkdv"))
     q_tiles = triton_varlen.build_tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     key_tiles = triton_varlen.build_tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
-    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, q_tiles, q_tiles, key_tiles,
-              q_tiles[:0]]
-    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, q_tiles, q_tiles, key_tiles]
+    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0, 0])
     torch.library.opcheck(torch.ops.packattn.varlen_fwd.default, args)
     out, lse = torch.ops.packattn.varlen_fwd(*args)
     torch.library.opcheck(torch.ops.packattn.varlen_bwd.default,

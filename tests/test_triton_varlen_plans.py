@@ -139,8 +139,7 @@ def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fuse
     dq = "64,64,2,4,ws" if fused else "128,64,4,8,ws"
     for short, groups in ((False, triton_fwd_gluon.HEAD_SECTION), (True, triton_fwd_gluon.SHORT_HEAD_SECTION)):
         _, _, _, log = _planned_launches(monkeypatch, "64,64,2,4,ws", dq, False, short_seqs=short)
-        # (dq: ..., section, num_work, then the four STORE_PDS arguments, None here)
-        sections = {name: args[-6] if name == "dq" else args[-2] for name, args, _ in log if name in ("dq", "dkdv")}
+        sections = {name: args[-2] for name, args, _ in log if name in ("dq", "dkdv")}
         assert sections == {"dq": groups, "dkdv": groups}  # MHA: kv-head groups == heads
 
 

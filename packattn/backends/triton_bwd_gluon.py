@@ -361,7 +361,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
 
 def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask_args, top_left: bool,
                     config: GluonBwdConfig | None = None, delta_from_o: bool = False, out=None,
-                    short_seqs: bool = False, pds: tuple | None = None) -> None:
+                    short_seqs: bool = False) -> None:
     """dQ pass (`varlen_bwd_dq_gluon_kernel`, or `varlen_bwd_gluon_dq_ws.varlen_bwd_dq_gluon_ws_kernel` when
     the config says ``warp_specialize``), one program per (query tile, query head), or with ``persistent``
     (warp-specialised only) ``ctas_per_sm x SMs`` programs looping over them (`ws_grid`). ``tiles`` built with
@@ -374,14 +374,8 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     `varlen_bwd_gluon_dq_ws`, DELTA FROM O) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
     written in place, not copied) on the rows of the tiles that have key blocks; other rows keep what
     ``delta`` held (the caller passes zeros, `triton_varlen.fuses_delta`). No dlse term: the caller
-    subtracts nothing.
-
-    ``pds`` (the one-consumer WS config only): ``(P, dS, pair_base, num_pairs)``, the STORED backward's scratch
-    halves that the kernel fills with every visited pair's P and dS (`packattn.backends.triton_stored`)."""
+    subtracts nothing."""
     cfg = config if config is not None else dq_config(q.shape[-1])
-    if pds is not None and not (one_consumer_dq(cfg) and cfg.block_n == 64):
-        raise ValueError(f"stored P / dS need the one-consumer warp-specialised dQ config (64,64,s,4,ws), "
-                         f"not {cfg.label()}")
     if delta_from_o:
         if not one_consumer_dq(cfg):
             raise ValueError(f"delta_from_o needs the one-consumer warp-specialised dQ config (64,n,s,4,ws), "
@@ -417,10 +411,8 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
         # o_desc: None without delta_from_o (a constant for Triton: no kernel parameter, the PTX of the kernel
         # without DELTA_FROM_O unchanged)
         o_desc = _descriptor(out, cfg.block_m) if delta_from_o else None
-        # pds: four None without it (constants: no kernel parameters, the PTX without STORE_PDS unchanged)
-        fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, grid,
-                           (*descs, o_desc, *rest, section, num_work, *(pds or (None,) * 4)),
-                           dict(blocks, PERSISTENT=cfg.persistent, DELTA_FROM_O=delta_from_o, STORE_PDS=pds is not None,
+        fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, grid, (*descs, o_desc, *rest, section, num_work),
+                           dict(blocks, PERSISTENT=cfg.persistent, DELTA_FROM_O=delta_from_o,
                                 CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4,
                                 maxnreg=res["maxnreg"]))
         return

@@ -26,7 +26,7 @@ import torch
 
 from packattn import env
 from packattn import mask as masks
-from packattn.backends import fast_launch, fast_op, triton_bwd_gluon, triton_fwd_gluon, triton_stored
+from packattn.backends import fast_launch, fast_op, triton_bwd_gluon, triton_fwd_gluon
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.backends.triton_launch import (  # noqa: F401 (configs re-exported: benchmarks, scripts)
@@ -109,10 +109,9 @@ def tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, step: 
 # autograd wrapper of a custom op re-reads the schema once per argument on every call
 # (torch._library.utils.fill_defaults), a cost that grows with the square of the argument count
 # (~0.2 ms of host time per call with 21 arguments).
-FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "q_tiles", "dq_tiles", "dkdv_tiles",
-              "pair_bases")
+FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "q_tiles", "dq_tiles", "dkdv_tiles")
 FWD_OPTIONS = ("window_left", "window_right", "chunk_size", "top_left", "padded_q", "padded_kv", "long_seqs", "gluon",
-               "short_seqs", "stored_pairs")
+               "short_seqs")
 
 
 def _varlen_fwd(
@@ -120,13 +119,13 @@ def _varlen_fwd(
     pad_rows_q: torch.Tensor | None, pad_rows_kv: torch.Tensor | None, scale: float, options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``. ``tables``: the tensors named in `FWD_TABLES` (``dq_tiles``/``dkdv_tiles``, like
-    ``pad_rows_kv`` and ``pair_bases``, only carried for the backward); ``options``: the integers named in
+    ``pad_rows_kv``, only carried for the backward); ``options``: the integers named in
     `FWD_OPTIONS`. ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or None.
     ``long_seqs``, ``gluon``, ``short_seqs``: the forward kernel and config that ``q_tiles`` was built for
     (the Gluon forward when ``gluon``, see `use_gluon_fwd`; ``short_seqs`` also picks the backward's dQ
     config)."""
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles = tables[:5]
-    window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon, short_seqs = options[:9]
+    window_left, window_right, chunk_size, top_left, padded_q, _padded_kv, long_seqs, gluon, short_seqs = options
     top_left, padded_q, long_seqs, gluon = bool(top_left), bool(padded_q), bool(long_seqs), bool(gluon)
 
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -320,16 +319,14 @@ def _varlen_bwd(
     dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
-    short_seqs: bool = False, pair_bases: torch.Tensor | None = None, stored_pairs: int = 0,
+    short_seqs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: dK/dV pass + separate dQ pass, deterministic (fixed reduction order, no
     atomics). A variant with dQ fused into the dK/dV pass through float32 atomics measured slower
-    on the H200 (benchmarks/NOTES.md), so there is one backward. The passes are `bwd_plan`'s, or with
-    ``stored_pairs`` the STORED backward's (`triton_stored`)."""
+    on the H200 (benchmarks/NOTES.md), so there is one backward. The passes are `bwd_plan`'s."""
     return _varlen_bwd_planned(bwd_plan(q, k, v, short_seqs), dout, dlse, q, k, v, out, lse, cu_seqlens_q,
                                cu_seqlens_kv, row_offsets_q, row_offsets_kv, dq_tiles, dkdv_tiles, scale, window_left,
-                               window_right, chunk_size, top_left, padded_q, padded_kv, pad_rows_q, pad_rows_kv,
-                               pair_bases, stored_pairs)
+                               window_right, chunk_size, top_left, padded_q, padded_kv, pad_rows_q, pad_rows_kv)
 
 
 def _varlen_bwd_planned(
@@ -339,12 +336,10 @@ def _varlen_bwd_planned(
     dq_tiles: torch.Tensor, dkdv_tiles: torch.Tensor,
     scale: float, window_left: int, window_right: int, chunk_size: int, top_left: bool,
     padded_q: bool, padded_kv: bool, pad_rows_q: torch.Tensor | None = None, pad_rows_kv: torch.Tensor | None = None,
-    pair_bases: torch.Tensor | None = None, stored_pairs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_varlen_bwd` running the passes of ``plan`` (`bwd_plan` of these tensors): the preprocess (`bwd_delta`),
     the dK/dV pass, the dQ pass; or, where `fuses_delta` says so, the dQ pass computing delta, then the dK/dV
-    pass; or with ``stored_pairs`` (the forward's `triton_stored.stored_pairs`, ``pair_bases`` its
-    `triton_stored.pair_base`; the tile tables then have 64 x 64 blocks) the STORED backward."""
+    pass."""
     dout, q, k, v, out = (_last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
                           _last_dim_contiguous(v), _last_dim_contiguous(out))
     lse = lse.contiguous()
@@ -362,9 +357,6 @@ def _varlen_bwd_planned(
     mask_args = (window_left, window_right, chunk_size)
     seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
     dkdv_config, dq_config = plan.dkdv, plan.dq
-    if stored_pairs:
-        return triton_stored.stored_bwd(plan, dout, dlse, q, k, v, out, lse, seq_args, dq_tiles, dkdv_tiles,
-                                        pair_bases, stored_pairs, scale, top_left, new_dq, new_dkdv)
     if fuses_delta(plan, dlse):  # no preprocess: the dQ pass writes delta, then the dK/dV pass reads it
         delta = torch.zeros_like(lse)  # (rows of tiles without key blocks: never written, read with P = 0)
         dq = new_dq()
@@ -393,8 +385,7 @@ def _varlen_bwd_planned(
     config = launch_config("dq", head_dim, q.dtype, q.device)
     common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
-            dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args,
-            None, None, None, None)  # (no stored pairs: `triton_stored`)
+            dq.stride(0), dq.stride(1), lse.stride(0), heads_q, group, scale * 1.4426950408889634, scale, *mask_args)
     _launch(bwd_dq_kernel, (dq_tiles.shape[0] * heads_q,), args,
             dict(common, BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
     return dq, dk, dv
@@ -473,14 +464,12 @@ def _varlen_bwd_fake(dout, dlse, q, k, v, *rest):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options = inputs
-    cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles, pair_bases = tables
+    cu_q, cu_kv, rows_q, rows_kv, _q_tiles, dq_tiles, dkdv_tiles = tables
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv,
-                          pair_bases)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv)
     window_left, window_right, chunk_size, top_left, padded_q, padded_kv = options[:6]  # the rest: forward-only
     ctx.options = (scale, window_left, window_right, chunk_size, bool(top_left), bool(padded_q), bool(padded_kv))
     ctx.short_seqs = bool(options[FWD_OPTIONS.index("short_seqs")])
-    ctx.stored_pairs = int(options[FWD_OPTIONS.index("stored_pairs")])
     ctx.plan = bwd_plan(q, k, v, ctx.short_seqs)  # what dq_tiles / dkdv_tiles were built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
@@ -492,15 +481,14 @@ def _backward_through(bwd):
     time costs most)."""
 
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv, pair_bases = \
+        q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv, dq_tiles, dkdv_tiles, pad_rows_q, pad_rows_kv = \
             ctx.saved_tensors
         plan = bwd_plan(q, k, v, ctx.short_seqs)
         check_plan(ctx.plan, plan)
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(plan, dout, dlse, q, k, v, out, lse, cu_q, cu_kv, rows_q, rows_kv,
-                         dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv, ctx.short_seqs, pair_bases,
-                         ctx.stored_pairs)
+                         dq_tiles, dkdv_tiles, *ctx.options, pad_rows_q, pad_rows_kv, ctx.short_seqs)
         # the same structure as the inputs: q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options
         return dq, dk, dv, [None] * len(FWD_TABLES), None, None, None, None
 
@@ -509,8 +497,7 @@ def _backward_through(bwd):
 
 varlen_fwd.register_autograd(_backward_through(lambda plan, *args: varlen_bwd(*args)), setup_context=_setup_context)
 _VarlenFwdEager = fast_op.eager_function(_varlen_fwd, _setup_context,
-                                         _backward_through(lambda plan, *args: _varlen_bwd_planned(plan, *args[:-3],
-                                                                                                   *args[-2:])))
+                                         _backward_through(lambda plan, *args: _varlen_bwd_planned(plan, *args[:-1])))
 
 
 def kernel_limits(params) -> str | None:
@@ -553,27 +540,19 @@ class TritonVarlenBackend(TritonBackend):
         else:
             fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
         q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
-        pair_bases, stored = q_tiles[:0], 0
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             plan = bwd_plan(q, k, v, short_seqs)
-            stored = triton_stored.stored_pairs(seqs, mask, plan, short_seqs)
-            if stored:  # the STORED backward: both passes on 64 x 64 blocks
-                dq_tiles = tile_table(seqs, mask, False, triton_stored.PAIR, triton_stored.PAIR)
-                dkdv_tiles = tile_table(seqs, mask, True, triton_stored.PAIR, triton_stored.PAIR)
-                pair_bases = triton_stored.pair_base(seqs)
-            else:
-                dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
-                dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
+            dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
+            dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
         else:
             dq_tiles = dkdv_tiles = q_tiles[:0]
         rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q
         rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
         padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
         out, lse = fast_op.call(
-            varlen_fwd, _VarlenFwdEager.apply, q, k, v,
-            [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles, pair_bases],
+            varlen_fwd, _VarlenFwdEager.apply, q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
             seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None, scale,
             [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
-             gluon, short_seqs, stored],
+             gluon, short_seqs],
         )
         return out, (lse if problem.return_lse else None)

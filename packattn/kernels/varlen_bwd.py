@@ -20,7 +20,6 @@ positions; blocks in ``[mid_lo, mid_hi)`` skip the element mask. With ``P = exp2
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_bwd_stored import pair_tile
 from packattn.kernels.varlen_common import (load_rows, store_rows, tile_header, visible_tile,
                                             visible_tile_keys_by_queries)
 
@@ -145,10 +144,8 @@ def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                         MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr, p_tiles=None, ds_tiles=None, STORE_PDS: tl.constexpr = False):
-    """Add the contributions of key blocks ``n_from, n_from + BLOCK_N, ... < n_to`` to dQ. ``STORE_PDS``
-    (``BLOCK_N`` = 64, `varlen_bwd_stored`): also write each block's P and dS to its pair tile, the key
-    block ``n_start // 64`` after ``p_tiles`` / ``ds_tiles`` (this query block's first pair)."""
+                        INPUT_PRECISION: tl.constexpr):
+    """Add the contributions of key blocks ``n_from, n_from + BLOCK_N, ... < n_to`` to dQ."""
     offs_n = tl.arange(0, BLOCK_N)
     for n_start in range(n_from, n_to, BLOCK_N):
         keys = n_start + offs_n
@@ -163,10 +160,6 @@ def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
-        if STORE_PDS:
-            at = (n_start // BLOCK_N) * (BLOCK_N * BLOCK_N) + offs_n[:, None] * BLOCK_N + offs_n[None, :]  # (64 x 64)
-            tl.store(p_tiles + at, p.to(p_tiles.dtype.element_ty))
-            tl.store(ds_tiles + at, ds.to(ds_tiles.dtype.element_ty))
         dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
     return dq
 
@@ -178,14 +171,10 @@ def bwd_dq_kernel(
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_do_row, stride_do_head, stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
-    P, dS, pair_base, num_pairs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, STORE_PDS: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr,
 ):
-    """``STORE_PDS`` (64 x 64 blocks, causal self-attention: `packattn.backends.triton_stored`): also write
-    P and dS of every visited pair to the scratch halves ``P`` / ``dS`` (`varlen_bwd_stored` module
-    docstring: ``pair_base``, ``num_pairs`` tiles per head); without it the launcher passes four None."""
     pid = tl.program_id(0)
     tile = pid // num_heads_q
     head = pid % num_heads_q
@@ -208,24 +197,17 @@ def bwd_dq_kernel(
     k_base = K + row0_kv * stride_k_row + kv_head * stride_k_head
     v_base = V + row0_kv * stride_v_row + kv_head * stride_v_head
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    p_tiles = P
-    ds_tiles = dS
-    if STORE_PDS:
-        tl.static_assert((BLOCK_M == 64) & (BLOCK_N == 64), "stored pairs are 64 x 64")
-        first = (head.to(tl.int64) * num_pairs + pair_tile(pair_base, seq, q_start // BLOCK_M, 0)) * (BLOCK_M * BLOCK_N)
-        p_tiles = P + first
-        ds_tiles = dS + first
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                              chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION, p_tiles, ds_tiles, STORE_PDS)
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                              chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION, p_tiles, ds_tiles, STORE_PDS)
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                              chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION, p_tiles, ds_tiles, STORE_PDS)
+                             HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     store_rows(dQ + row0_q * stride_dq_row + head * stride_dq_head, q_start, stride_dq_row, row_ok, dq * scale,
                HEAD_DIM, BLOCK_D, BLOCK_M)

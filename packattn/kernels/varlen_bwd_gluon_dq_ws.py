@@ -226,26 +226,13 @@ def _delta_from_o(do_wg, o_wg, delta_ptr, delta_rows, s_layout: gl.constexpr, HE
 
 
 @gluon.jit
-def _store_pair(p_tiles, ds_tiles, n_start, p, ds, dtype: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """STORED backward (`packattn.kernels.varlen_bwd_stored`): P and dS of the key block at ``n_start`` (64
-    keys) to their pair tiles, ``p_tiles`` / ``ds_tiles`` pointing at this query block's first pair (key
-    block 0); every row, the ones past the sequence included (the reader masks them)."""
-    rows = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    at = (n_start // BLOCK_N) * (WG_ROWS * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
-    gl.store(p_tiles + at, p.to(dtype))
-    gl.store(ds_tiles + at, ds.to(dtype))
-
-
-@gluon.jit
 def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key_ends, ready, empty, zero_bar,
                 lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left, window_right,
                 chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
                 WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
-                o_wg=None, delta_ptr=None, delta_rows=None, DELTA_FROM_O: gl.constexpr = False, p_tiles=None,
-                ds_tiles=None, STORE_PDS: gl.constexpr = False):
+                o_wg=None, delta_ptr=None, delta_rows=None, DELTA_FROM_O: gl.constexpr = False):
     """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
     ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
@@ -256,8 +243,7 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight.
     ``DELTA_FROM_O`` (the tile's first step, one consumer; ``delta`` is None): delta = rowsum(dO O) from
     ``do_wg`` / ``o_wg`` while the S and dP wgmma run, stored to ``delta_ptr[i]`` for ``i < delta_rows``
-    (`_delta_from_o`); returns ``(dq, ds, ntail, delta)``. ``STORE_PDS``: P and dS also go to the pair tiles
-    (`_store_pair`)."""
+    (`_delta_from_o`); returns ``(dq, ds, ntail, delta)``."""
     gl.static_assert((not DELTA_FROM_O) | ((CONSUMERS == 1) & (not WITH_PREV) & (not TREE)),
                      "delta from O: one consumer, the tile's first step")
     slot = j % STAGES
@@ -298,10 +284,7 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
     else:
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-    ds = p * (dp - delta[:, None])
-    if STORE_PDS:
-        _store_pair(p_tiles, ds_tiles, n_start, p, ds, q_wg.dtype, s_layout, BLOCK_N)
-    ds = _to_operand(ds, q_wg.dtype, o_layout)
+    ds = _to_operand(p * (dp - delta[:, None]), q_wg.dtype, o_layout)
     if CARRY_DS:
         if WITH_PREV:
             dq, ds_prev = warpgroup_mma_wait(0, deps=(dq_tok, ds_prev))
@@ -322,7 +305,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False,
                   CONSUMERS: gl.constexpr = 2, o_wg=None, delta_ptr=None, delta_rows=None,
-                  DELTA_FROM_O: gl.constexpr = False, p_tiles=None, ds_tiles=None, STORE_PDS: gl.constexpr = False):
+                  DELTA_FROM_O: gl.constexpr = False):
     """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
     n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group (``step``: 0, or with
     ``PERSISTENT`` the ring steps of the program's earlier items, and ``ntail`` the state word): with
@@ -339,7 +322,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                            len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                            o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                                            TOP_LEFT, False, CARRY_DS, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
-                                           delta_rows, True, p_tiles, ds_tiles, STORE_PDS)
+                                           delta_rows, True)
         first_b = 1
     if CARRY_DS:
         if not DELTA_FROM_O:
@@ -347,15 +330,13 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                         zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv,
                                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
                                         BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False,
-                                        True, False, PERSISTENT, CONSUMERS, p_tiles=p_tiles, ds_tiles=ds_tiles,
-                                        STORE_PDS=STORE_PDS)
+                                        True, False, PERSISTENT, CONSUMERS)
         for b in range(1, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, True, True, PERSISTENT, CONSUMERS, p_tiles=p_tiles,
-                                        ds_tiles=ds_tiles, STORE_PDS=STORE_PDS)
+                                        TOP_LEFT, False, True, True, PERSISTENT, CONSUMERS)
         last = (step + num_blocks - 1) % STAGES
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
@@ -365,8 +346,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS, p_tiles=p_tiles,
-                                        ds_tiles=ds_tiles, STORE_PDS=STORE_PDS)
+                                        TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS)
     return dq, ntail
 
 
@@ -376,8 +356,7 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
                   k_bufs, v_bufs, q_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, o_wg=None, DELTA_FROM_O: gl.constexpr = False,
-                  p_tiles=None, ds_tiles=None, STORE_PDS: gl.constexpr = False):
+                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, o_wg=None, DELTA_FROM_O: gl.constexpr = False):
     """One tile with ``num_blocks >= 1`` key blocks, ring steps ``step ...``: this warp group's lse / delta
     / query positions, wait for Q / dO (``q_bar`` phase ``q_phase``), the blocks (`_dq_ws_blocks`).
     ``DELTA_FROM_O``: delta is not loaded; the first step computes it from dO / O (``o_wg``, loaded on
@@ -394,15 +373,14 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
                              ready, empty, zero_bar, lse_log2, None, offs_m, len_q, len_kv, qk_scale_log2,
                              window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
-                             len_q - first, True, p_tiles, ds_tiles, STORE_PDS)
+                             len_q - first, True)
     else:
         delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
         mbarrier.wait(q_bar, q_phase)
         return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                              ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
                              window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
-                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS, p_tiles=p_tiles,
-                             ds_tiles=ds_tiles, STORE_PDS=STORE_PDS)
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS)
 
 
 @gluon.jit
@@ -432,8 +410,7 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
                     q_bar, q_empty, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr,
-                    CONSUMERS: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False, P=None, dS=None,
-                    pair_base=None, num_pairs=None, STORE_PDS: gl.constexpr = False):
+                    CONSUMERS: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
     the tile, their dQ; with ``PERSISTENT`` (two consumers only) for each work item ``pid, pid + nprog,
     ...`` (module docstring: one state word, ring steps counted over the items, Q / dO released on
@@ -480,29 +457,18 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
         if num_blocks > 0:
             ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-            if STORE_PDS:  # this query block's first pair tile (`varlen_bwd_stored.pair_tile`, key block 0)
-                q_block = q_start // WG_ROWS
-                first = (head.to(gl.int64) * num_pairs + gl.load(pair_base + seq).to(gl.int64)
-                         + q_block * (q_block + 1) // 2) * (WG_ROWS * BLOCK_N)
-                p_tiles = P + first
-                ds_tiles = dS + first
-            else:
-                p_tiles = P
-                ds_tiles = dS
             if DELTA_FROM_O:  # (one consumer: o_smem is its 64 rows)
                 dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
                                           len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
                                           window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
                                           zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS, o_smem, True, p_tiles,
-                                          ds_tiles, STORE_PDS)
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS, o_smem, True)
             else:
                 dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
                                           len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
                                           window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
                                           zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS, p_tiles=p_tiles,
-                                          ds_tiles=ds_tiles, STORE_PDS=STORE_PDS)
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS)
 
         # decoded again: the loads are cheaper than holding these scalars in registers across the loop
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
@@ -569,11 +535,11 @@ def varlen_bwd_dq_gluon_ws_kernel(
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
-    num_work, P, dS, pair_base, num_pairs,
+    num_work,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PERSISTENT: gl.constexpr = False, DELTA_FROM_O: gl.constexpr = False, STORE_PDS: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, DELTA_FROM_O: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus ``num_work``,
     the register split and ``PERSISTENT``; launch with ``num_warps = 4`` and ``maxnreg`` as
@@ -584,15 +550,11 @@ def varlen_bwd_dq_gluon_ws_kernel(
     warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``). ``DELTA_FROM_O``
     (one consumer only; DELTA FROM O in the module docstring): ``o_desc`` (O, blocks as ``do_desc``) is
     loaded with Q / dO, ``Delta`` is written (rowsum(dO O) of the tile's rows) instead of read; without it
-    ``o_desc`` is unused (the launcher passes None: no kernel parameter). ``STORE_PDS`` (one consumer, 64-key
-    blocks, causal self-attention: `packattn.backends.triton_stored`): P and dS of every visited pair also go
-    to the scratch halves ``P`` / ``dS`` (`packattn.kernels.varlen_bwd_stored`: ``pair_base``, ``num_pairs``
-    tiles per head); without it the four are None (no kernel parameters)."""
+    ``o_desc`` is unused (the launcher passes None: no kernel parameter)."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == WG_ROWS) | (BLOCK_M == 2 * WG_ROWS), "one or two consumer warp groups of 64 queries")
     gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
     gl.static_assert((not DELTA_FROM_O) | (CONSUMERS == 1), "delta from O needs the one-consumer kernel")
-    gl.static_assert((not STORE_PDS) | ((CONSUMERS == 1) & (BLOCK_N == 64)), "stored pairs: one consumer, 64 keys")
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps, CONSUMERS)
     if DELTA_FROM_O:  # O of the tile (loaded on q_bar with Q / dO), read by the consumer's row sums only
@@ -630,7 +592,7 @@ def varlen_bwd_dq_gluon_ws_kernel(
                                heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
                                chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
                                HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS, o_smem, DELTA_FROM_O, P, dS, pair_base, num_pairs, STORE_PDS)),
+                               CONSUMERS, o_smem, DELTA_FROM_O)),
             (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
                                k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,

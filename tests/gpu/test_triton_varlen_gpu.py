@@ -122,41 +122,6 @@ def test_short_batch_fused_delta(monkeypatch, opts):
         assert rel_l2(a, b) < 5e-3, name
 
 
-@pytest.mark.parametrize("heads", [(16, 16), (16, 4)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("causal", [True, "top_left"])
-def test_short_batch_stored_backward(monkeypatch, heads, causal):
-    """Short causal self-attention batches take the STORED backward (`triton_stored`: the dQ pass keeps P and
-    dS) by default: against the reference, close to the usual backward, padding rows NaN in every input and
-    exact zeros in every gradient, bitwise deterministic."""
-    from packattn.backends import triton_stored
-
-    seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37, 512], pad_to_multiple=16, device="cuda")
-    q, k, v, dout = inputs(seqs, *heads)
-    padding = seqs.row_map_q()[0] < 0
-    with torch.no_grad():
-        for x in (q, k, v, dout):
-            x[padding] = float("nan")
-    calls = []
-    real = triton_stored.stored_bwd
-    monkeypatch.setattr(triton_stored, "stored_bwd", lambda *a: calls.append(1) or real(*a))
-    got = forward_backward(q, k, v, dout, seqs, "triton", causal=causal)
-    assert calls, "the STORED backward did not run"
-    clean = [x.detach().masked_fill(padding[:, None, None], 0).requires_grad_() for x in (q, k, v)]
-    ref = reference_fp32(*clean, dout.masked_fill(padding[:, None, None], 0), seqs, causal=causal)
-    for name, g, r in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
-        assert not torch.isnan(g).any(), name
-        assert torch.equal(g[padding], torch.zeros_like(g[padding])), name
-        assert rel_l2(g, r) < 1e-2, name
-    again = forward_backward(q, k, v, dout, seqs, "triton", causal=causal)
-    for a, b in zip(got[2:], again[2:]):
-        assert torch.equal(a, b)
-    monkeypatch.setenv(triton_stored.SWITCH, "0")
-    usual = forward_backward(q, k, v, dout, seqs, "triton", causal=causal)
-    assert len(calls) == 2
-    for name, a, b in zip(("dq", "dk", "dv"), got[2:], usual[2:]):
-        assert rel_l2(a, b) < 5e-3, name
-
-
 def test_w5_sliding_window(w1_lengths):
     seqs = Varlen.from_lengths(w1_lengths, device="cuda")
     check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True, window=(1024, 0))
