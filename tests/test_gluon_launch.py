@@ -41,8 +41,13 @@ def test_head_section_env_must_be_a_number(monkeypatch):
 
 
 def test_forward_config_strings_round_trip_and_pingpong_rules():
-    for text in ("128,128,3,8", "128,128,3,8,ws,persistent,direct", "128,128,3,8,ws,persistent,direct,pingpong"):
+    for text in ("128,128,3,8", "128,128,3,8,ws,persistent,direct", "128,128,3,8,ws,persistent,direct,pingpong",
+                 "128,64,4,8,ws,persistent,direct,trim"):
         assert tg.parse_config(text).label() == text
+    assert tg.parse_config("128,64,4,8,ws,persistent,direct,trim") == tg.SHORT_TRIM_CONFIGS[128]
+    for bad in ("128,64,4,8,trim", "128,128,3,8,ws,pingpong,trim"):  # trim: ws only, and not with ping-pong
+        with pytest.raises(ValueError, match="trim needs"):
+            tg.parse_config(bad)
     with pytest.raises(ValueError, match="need warp_specialize"):
         tg.GluonConfig(128, 128, 3, 8, pingpong=True)
     with pytest.raises(ValueError, match="two consumer warp groups"):

@@ -148,10 +148,14 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: True)
     assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
     assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
+    # elsewhere (the H100) 128-row tiles over 64-key blocks, trimmed; long batches keep CONFIGS
     monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: False)
-    assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.CONFIGS[128]
-    assert triton_fwd_gluon.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == \
-        triton_fwd_gluon.CONFIGS[128]
+    trimmed = triton_fwd_gluon.SHORT_TRIM_CONFIGS[128]
+    assert trimmed.trim and (trimmed.block_m, trimmed.block_n) == (128, 64)
+    assert triton_fwd_gluon.config_for(128, short_seqs=True) == trimmed
+    assert triton_fwd_gluon.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == trimmed
+    assert triton_fwd_gluon.config_for(128) == triton_fwd_gluon.CONFIGS[128]
+    assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
 
 
 def test_short_config_gpus_by_name(monkeypatch):

@@ -13,7 +13,7 @@ raw pointers for q, k and v. The query tile table must be built with this kernel
 
 Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLUON_FWD_CONFIG``)::
 
-    PACKATTN_GLUON_FWD_CONFIG="block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]"
+    PACKATTN_GLUON_FWD_CONFIG="block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong][,trim]"
 
 * ``128,128,3,8`` -- `varlen_fwd_gluon_kernel` (the default at d = 128): 2 warp groups, CTA
   barrier before each ring refill;
@@ -66,6 +66,10 @@ class GluonConfig:
     # (warp_specialize, block_m 128 only) FA3-style ping-pong: the two consumer warp groups take turns
     # issuing their wgmma, so one group's softmax runs under the other's products
     pingpong: bool = False
+    # (warp_specialize, not pingpong) each consumer warp group skips the products of the tile's key blocks in
+    # which no key is visible to any of its 64 rows (it still waits for them and releases their ring slot):
+    # with 64-key blocks, the causal diagonal's second block for the first 64 rows of a 128-row tile
+    trim: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
@@ -76,15 +80,19 @@ class GluonConfig:
             raise ValueError(f"{self}: persistent / direct_store / pingpong need warp_specialize")
         if self.pingpong and self.block_m != 128:
             raise ValueError(f"{self}: pingpong needs two consumer warp groups (block_m 128)")
+        if self.trim and (self.pingpong or not self.warp_specialize):
+            raise ValueError(f"{self}: trim needs warp_specialize and no pingpong (the turns must match)")
 
     def label(self) -> str:
         """The `ENV_CONFIG` string of this configuration (`parse_config` reads it back)."""
         flags = [name for name, on in (("ws", self.warp_specialize), ("persistent", self.persistent),
-                                       ("direct", self.direct_store), ("pingpong", self.pingpong)) if on]
+                                       ("direct", self.direct_store), ("pingpong", self.pingpong),
+                                       ("trim", self.trim)) if on]
         return ",".join([str(self.block_m), str(self.block_n), str(self.stages), str(self.num_warps)] + flags)
 
 
-_FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct_store", "pingpong": "pingpong"}
+_FLAGS = {"ws": "warp_specialize", "persistent": "persistent", "direct": "direct_store", "pingpong": "pingpong",
+          "trim": "trim"}
 
 
 def parse_config(text: str) -> GluonConfig:
@@ -94,7 +102,7 @@ def parse_config(text: str) -> GluonConfig:
     parts = [x.strip() for x in text.split(",") if x.strip()]
     if len(parts) < 4:
         raise ValueError(f"{ENV_CONFIG}={text!r}: expected "
-                         "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]")
+                         "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong][,trim]")
     flags = {}
     for flag in parts[4:]:
         if flag not in _FLAGS:
@@ -131,7 +139,7 @@ def ab_variants(head_dim: int) -> list[GluonConfig]:
     return list(dict.fromkeys(out))  # drop repeats, keep the order
 
 
-# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong]" overrides CONFIGS (A/B runs);
+# "block_m,block_n,stages,num_warps[,ws][,persistent][,direct][,pingpong][,trim]" overrides CONFIGS (A/B runs);
 # see parse_config
 ENV_CONFIG = "PACKATTN_GLUON_FWD_CONFIG"
 
@@ -150,14 +158,19 @@ LONG_CONFIGS = CONFIGS
 # W8 forward 343 -> 317 us with head sections of 2, 312 -> 294 with the short batches' sections of 1).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4, True, True, True)}
 SHORT_CONFIG_GPUS = ("H200",)
+# Short sequences on the other GPUs (the H100): 128-row tiles over 64-key blocks with `GluonConfig.trim` (the first
+# warp group of a tile skips the causal diagonal's second block). H100, W8 forward kernel (results/2026-11-25/
+# s14_fwd_trim_h100.txt): 282.0 us (CONFIGS' 128 x 128) -> 278.6 (128 x 64, 5 stages) -> 269.4 (with trim) -> 267.0
+# (4 stages, with trim); on W1 the same tiles lose (878-898 -> 963-983 us), so only short batches take them.
+SHORT_TRIM_CONFIGS = {128: GluonConfig(128, 64, 4, 8, True, True, True, trim=True)}
 
 
 def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
                device: torch.device | None = None) -> GluonConfig:
     """Block sizes, pipeline depth and warps for ``head_dim``; the tile table must use block_m/block_n.
     ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`);
-    ``device``: the CUDA device it runs on (`SHORT_CONFIGS` only on `SHORT_CONFIG_GPUS`; None: the current
-    device). ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
+    ``device``: the CUDA device it runs on (short batches: `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
+    `SHORT_TRIM_CONFIGS` on the others; None: the current device). ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
     overrides the table, for A/B runs."""
     override = env.get(ENV_CONFIG)
     if override:
@@ -165,6 +178,7 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
     if short_seqs and head_dim in SHORT_CONFIGS:
         if _short_config_gpu(cuda_index(device) if torch.cuda.is_available() else -1):
             return SHORT_CONFIGS[head_dim]
+        return SHORT_TRIM_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
 
 
@@ -430,5 +444,5 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        (*args, num_work, section), dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,
         DIRECT_STORE=cfg.direct_store, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        PINGPONG=cfg.pingpong, num_warps=4, maxnreg=res["maxnreg"]))
+        PINGPONG=cfg.pingpong, TRIM=cfg.trim, num_warps=4, maxnreg=res["maxnreg"]))
     return out, lse

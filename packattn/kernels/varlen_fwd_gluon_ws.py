@@ -19,6 +19,14 @@ mbarrier phases stay in step across tiles. With ``DIRECT_STORE`` the output is s
 accumulator registers (no staging through Q's buffer), so Q is released as soon as the tile's
 last S wgmma is done and the producer loads the next tile's Q under this tile's last PV and
 epilogue; otherwise Q's buffer stages the output (16 B stores) and is released after the epilogue.
+
+With ``TRIM`` each consumer computes, per tile, the blocks ``[b_lo, b_hi)`` that hold a key visible to one of
+its rows inside the sequence (`_wg_block_range`) and runs the products on those only; for the other blocks it
+waits for the slot to be filled, takes its part in the V-tail zeroing if the block is the tile's last, and
+releases the slot (`_ws_skip_blocks`). Skipping a block in which every element of the group's rows is masked
+changes nothing (P = 0 there and the running max stays, so the rescale factor is exactly 1): the output is
+bitwise the untrimmed kernel's. With 64-key blocks and causal masks, the first warp group of a 128-row tile
+skips the tile's last (diagonal) block: ~10% of the products of 512-token documents.
 """
 
 from triton.experimental import gluon
@@ -28,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _load_kv_block, _softmax_any, _store_out, _tile_row,
-                                               _to_operand, _zero_v_tail, mma_layout)
+from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _key_range, _load_kv_block, _softmax_any, _store_out,
+                                               _tile_row, _to_operand, _zero_v_tail, mma_layout)
 
 
 @gluon.jit
@@ -151,6 +159,49 @@ def _end_turn(wg_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right, chunk_size,
+                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                    TOP_LEFT: gl.constexpr):
+    """``(b_lo, b_hi)``: the blocks ``n_lo + b * BLOCK_N`` (``b < num_blocks``) holding a key that one of the
+    consumer's rows ``q_wg_start ... q_wg_start + 63`` inside the sequence sees (`_key_range` of its first
+    and last such row: both bounds grow with the row, so the union is ``[lo(first), hi(last))``); ``b_lo =
+    b_hi`` when no row of the group sees a key of the tile."""
+    last = gl.minimum(q_wg_start + 63, len_q - 1)
+    if TOP_LEFT:
+        shift = len_q * 0
+    else:
+        shift = len_kv - len_q
+    lo, _hi_first = _key_range(q_wg_start + shift, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                               HAS_RIGHT, HAS_CHUNK)
+    _lo_last, hi = _key_range(last + shift, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
+                              HAS_CHUNK)
+    b_lo = gl.minimum(gl.maximum(lo - n_lo, 0) // BLOCK_N, num_blocks)
+    b_hi = gl.minimum((gl.maximum(hi - n_lo, 0) + BLOCK_N - 1) // BLOCK_N, num_blocks)
+    none = (last < q_wg_start) | (hi <= lo) | (b_hi <= b_lo)
+    return gl.where(none, 0, b_lo), gl.where(none, 0, b_hi)
+
+
+@gluon.jit
+def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num_blocks, len_kv, ntail,
+                    WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """``TRIM``: blocks ``b_from .. b_to - 1`` of the tile (ring blocks ``base + b``) that this consumer does not
+    compute: wait until each is loaded (so that this arrival on ``empty`` counts for this block's phase, not
+    for the other consumer's previous use of the slot), zero this group's part of the V tail if it is the
+    tile's last block and crosses the sequence end (the other group meets it there, `_ws_zero_v_tail`), and
+    release the slot. Returns ``ntail``."""
+    for b in range(b_from, b_to):
+        slot = (base + b) % STAGES
+        mbarrier.wait(ready.index(slot), ((base + b) // STAGES) & 1)
+        if (b == num_blocks - 1) & (n_lo + num_blocks * BLOCK_N > len_kv):
+            _ws_zero_v_tail(v_bufs.index(slot), n_lo + b * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS,
+                            BLOCK_N, HEAD_DIM)
+            ntail += 1
+        mbarrier.arrive(empty.index(slot), count=1)
+    return ntail
+
+
+@gluon.jit
 def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail, turn, m_i, l_i, acc,
                offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
@@ -252,9 +303,9 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
                  WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                 TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
+                 TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr, TRIM: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
-    this program."""
+    this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
     q_wg = q_smem.slice(WG * 64, 64, dim=0)
@@ -270,7 +321,22 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             q_wg_start = q_start + WG * 64
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
             mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
-            if num_blocks > 0:
+            if TRIM and num_blocks > 0:
+                b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
+                                             chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv,
+                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
+                if b_hi > b_lo:
+                    acc, m_i, l_i, ntail, turn = _ws_attend(
+                        q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, turn, m_i, l_i,
+                        acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
+                        qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
+                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
+                elif DIRECT_STORE:
+                    mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
+                ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
+                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
+            elif num_blocks > 0:
                 acc, m_i, l_i, ntail, turn = _ws_attend(
                     q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, turn, m_i, l_i, acc, offs_m,
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
@@ -290,12 +356,14 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty,
                         ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                        TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr):
+                        TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr,
+                        TRIM: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
-                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
+                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG,
+                 TRIM)
 
 
 @gluon.jit
@@ -338,7 +406,7 @@ def varlen_fwd_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
+    num_warps: gl.constexpr, PINGPONG: gl.constexpr = False, TRIM: gl.constexpr = False,
 ):
     """Warp-specialised `varlen_fwd_gluon_kernel` (see the comment above `_work_item`): launch with
     ``num_warps = 4`` and ``maxnreg`` such that ``maxnreg * 32 * (4 * ceil((BLOCK_M // 16 + 1) / 4))``
@@ -353,6 +421,7 @@ def varlen_fwd_gluon_ws_kernel(
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
     gl.static_assert((not PINGPONG) | (NUM_CONSUMERS == 2), "ping-pong needs two consumer warp groups")
+    gl.static_assert(not (PINGPONG and TRIM), "trimmed groups would take different numbers of ping-pong turns")
     # between the consumer groups: [0] their V-tail meeting, [1 + w] group w's ping-pong turn (`_wait_turn`)
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     mbarrier.init(wg_bars.index(0), count=NUM_CONSUMERS)
@@ -365,12 +434,12 @@ def varlen_fwd_gluon_ws_kernel(
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
@@ -381,7 +450,7 @@ def varlen_fwd_gluon_ws_kernel(
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)),
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),

@@ -122,6 +122,25 @@ def test_short_batch_fused_delta(monkeypatch, opts):
         assert rel_l2(a, b) < 5e-3, name
 
 
+@pytest.mark.parametrize("opts", [{"causal": True}, {"causal": "top_left", "window": (100, 0)}, {"chunk_size": 100},
+                                  {"window": (70, 30)}, {}], ids=["causal", "top_left_window", "chunk", "window", "full"])
+def test_trimmed_forward_is_bitwise_the_untrimmed_one(monkeypatch, opts):
+    """The ``trim`` forward (each consumer warp group skips the key blocks none of its rows sees,
+    `varlen_fwd_gluon_ws`) gives bitwise the output and lse of the same config without it, on padded cross
+    batches with empty, length-1 and tail blocks; both against the reference."""
+    from packattn.backends import triton_fwd_gluon
+
+    seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37, 1000], [200, 5, 40, 64, 1, 500, 300, 0, 1100],
+                               pad_to_multiple=16, device="cuda")
+    q, k, v, dout = inputs(seqs, 16, 4)
+    results = []
+    for flags in ("", ",trim"):
+        monkeypatch.setenv(triton_fwd_gluon.ENV_CONFIG, "128,64,5,8,ws,persistent,direct" + flags)
+        results.append(check_against_reference(q, k, v, dout, seqs, **opts))
+    for name, a, b in zip(("out", "lse"), results[0][:2], results[1][:2]):
+        assert torch.equal(a, b), name
+
+
 def test_w5_sliding_window(w1_lengths):
     seqs = Varlen.from_lengths(w1_lengths, device="cuda")
     check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True, window=(1024, 0))
