@@ -27,7 +27,9 @@ Variants (`GluonConfig`, for A/B runs without code edits through ``$PACKATTN_GLU
   heads, longest first, round robin): the producer loads tile t+1's K/V (and, with ``direct``,
   its Q) while the consumers finish tile t;
 * ``...,ws,pingpong`` -- the two consumer warp groups take turns issuing their wgmma (FA3's
-  warp-group ping-pong): one group's softmax runs while the other's products occupy the tensor cores.
+  warp-group ping-pong): one group's softmax runs while the other's products occupy the tensor cores;
+* ``...,ws,trim`` -- each consumer warp group skips the key blocks that none of its 64 rows sees (with 64-key
+  blocks: the causal diagonal's second block for the tile's first rows); bitwise the same output.
 `ab_variants` lists the ones `benchmarks/ab_gluon_fwd.py` times and
 `scripts/check_gluon_compile.py --all` compiles.
 """
