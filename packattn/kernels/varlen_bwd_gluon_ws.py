@@ -123,7 +123,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
 from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK, KV_PHASE_BIT, _dkdv_tile, _dkdv_ws_producer
-from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
+from packattn.kernels.varlen_fwd_gluon import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
 from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
@@ -138,10 +138,7 @@ def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk
     hoist (each costs 16 registers across the loop)."""
     a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
                                         HAS_CHUNK)
-    if TOP_LEFT:
-        shift = len_q * 0
-    else:
-        shift = len_kv - len_q
+    shift = _aligned_shift(len_q, len_kv, TOP_LEFT)
     return a_lo - shift, gl.minimum(a_hi - shift, len_q)
 
 

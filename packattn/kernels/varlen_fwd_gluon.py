@@ -124,6 +124,17 @@ def _key_range(aligned, len_kv, window_left, window_right, chunk_size,
 
 
 @gluon.jit
+def _aligned_shift(len_q, len_kv, TOP_LEFT: gl.constexpr):
+    """``a(q) = q + shift`` (`packattn.mask`'s alignment): 0 top-left, ``len_kv - len_q`` bottom-right
+    (`varlen_common.aligned_offset`'s Gluon twin)."""
+    if TOP_LEFT:
+        shift = len_q * 0
+    else:
+        shift = len_kv - len_q
+    return shift
+
+
+@gluon.jit
 def _visible(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_size,
              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """``(len(offs_q), len(offs_k))`` booleans: query ``offs_q[i]`` sees key ``offs_k[j]`` (positions

@@ -36,8 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from packattn.kernels.varlen_fwd_gluon import (LN2, _issue_qk, _key_range, _load_kv_block, _softmax_any, _store_out,
-                                               _tile_row, _to_operand, _zero_v_tail, mma_layout)
+from packattn.kernels.varlen_fwd_gluon import (LN2, _aligned_shift, _issue_qk, _key_range, _load_kv_block,
+                                               _softmax_any, _store_out, _tile_row, _to_operand, _zero_v_tail,
+                                               mma_layout)
 
 
 @gluon.jit
@@ -167,10 +168,7 @@ def _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, wi
     and last such row: both bounds grow with the row, so the union is ``[lo(first), hi(last))``); ``b_lo =
     b_hi`` when no row of the group sees a key of the tile."""
     last = gl.minimum(q_wg_start + 63, len_q - 1)
-    if TOP_LEFT:
-        shift = len_q * 0
-    else:
-        shift = len_kv - len_q
+    shift = _aligned_shift(len_q, len_kv, TOP_LEFT)
     lo, _hi_first = _key_range(q_wg_start + shift, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                HAS_RIGHT, HAS_CHUNK)
     _lo_last, hi = _key_range(last + shift, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
