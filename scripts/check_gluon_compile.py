@@ -70,8 +70,8 @@ def compile_variant(dtype_name: str, head_dim: int, mask: str, cfg=None):
     if cfg.warp_specialize:  # as `gluon_fwd` launches it
         fn = varlen_fwd_gluon_ws_kernel
         res = tg.ws_resources(cfg, head_dim)
-        constexprs.update(DIRECT_STORE=cfg.direct_store, PINGPONG=cfg.pingpong, TRIM=cfg.trim, CONSUMER_REGS=res["consumer_regs"],
-                          PRODUCER_REGS=res["producer_regs"], num_warps=4)
+        constexprs.update(DIRECT_STORE=cfg.direct_store, PINGPONG=cfg.pingpong, TRIM=cfg.trim,
+                          CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
     else:
         fn = varlen_fwd_gluon_kernel

@@ -172,8 +172,8 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
     """Block sizes, pipeline depth and warps for ``head_dim``; the tile table must use block_m/block_n.
     ``long_seqs`` / ``short_seqs``: the batch's length class (`triton_varlen.TritonVarlenBackend.run`);
     ``device``: the CUDA device it runs on (short batches: `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
-    `SHORT_TRIM_CONFIGS` on the others; None: the current device). ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8", "128,128,3,8,ws,persistent,direct": `parse_config`)
-    overrides the table, for A/B runs."""
+    `SHORT_TRIM_CONFIGS` on the others; None: the current device). ``$PACKATTN_GLUON_FWD_CONFIG`` ("128,64,4,8",
+    "128,128,3,8,ws,persistent,direct": `parse_config`) overrides the table, for A/B runs."""
     override = env.get(ENV_CONFIG)
     if override:
         return parse_config(override)

@@ -123,7 +123,8 @@ def test_short_batch_fused_delta(monkeypatch, opts):
 
 
 @pytest.mark.parametrize("opts", [{"causal": True}, {"causal": "top_left", "window": (100, 0)}, {"chunk_size": 100},
-                                  {"window": (70, 30)}, {}], ids=["causal", "top_left_window", "chunk", "window", "full"])
+                                  {"window": (70, 30)}, {}],
+                         ids=["causal", "top_left_window", "chunk", "window", "full"])
 def test_trimmed_forward_is_bitwise_the_untrimmed_one(monkeypatch, opts):
     """The ``trim`` forward (each consumer warp group skips the key blocks none of its rows sees,
     `varlen_fwd_gluon_ws`) gives bitwise the output and lse of the same config without it, on padded cross
