@@ -137,8 +137,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
     fn, config_for = KERNELS[kernel]
     dtype = DTYPES[dtype_name]
     cfg = cfg or config_for(head_dim)
-    if delta_from_o and (kernel != "dq" or tree or not cfg.warp_specialize or cfg.block_m != 64):
-        raise ValueError("DELTA_FROM_O is a variant of the one-consumer warp-specialised dQ kernel (block_m 64, ws)")
+    if delta_from_o and (kernel != "dq" or tree or not tb.dq_computes_delta(cfg)):
+        raise ValueError("DELTA_FROM_O is a variant of the warp-specialised dQ kernel without a persistent grid")
     if tree and (mask or not cfg.warp_specialize):
         raise ValueError("the tree variants are warp-specialised kernels without another mask")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
@@ -273,9 +273,8 @@ def main() -> int:
                     variant_config = config
                     if args.delta_from_o:
                         variant_config = config or tb.dq_config(head_dim, short_seqs=True)
-                        if (kernel != "dq" or args.tree or persistent or not variant_config.warp_specialize
-                                or variant_config.block_m != 64):
-                            print(f"{label}: skipped (DELTA_FROM_O: the one-consumer warp-specialised dQ only)",
+                        if kernel != "dq" or args.tree or persistent or not tb.dq_computes_delta(variant_config):
+                            print(f"{label}: skipped (DELTA_FROM_O: the warp-specialised dQ, not persistent, only)",
                                   flush=True)
                             continue
                     try:

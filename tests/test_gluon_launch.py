@@ -325,15 +325,36 @@ def test_dq_delta_from_o_shared_memory():
     assert tg.ws_split(4, 114940)["ctas_per_sm"] == 2
 
 
-@pytest.mark.parametrize("text", ["128,64,4,8,ws", "128,128,2,8,ws", "128,64,4,8,ws,persistent", "128,64,4,8",
-                                  "64,64,3,4"])
+@pytest.mark.parametrize("text", ["128,64,4,8,ws,persistent", "128,64,4,8", "64,64,3,4"])
 def test_dq_delta_from_o_refuses_other_configs(text, monkeypatch):
+    """Only the warp-specialised dQ without a persistent grid computes delta (one tile per program)."""
     out = torch.zeros(256, 32, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="one-consumer"):
+    with pytest.raises(ValueError, match="warp-specialised dQ config without a persistent grid"):
         _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch, delta_from_o=True, out=out)
-    assert not tb.one_consumer_dq(tb.parse_config(text))
+    assert not tb.dq_computes_delta(tb.parse_config(text)) and not tb.one_consumer_dq(tb.parse_config(text))
     assert tb.one_consumer_dq(tb.parse_config("64,64,2,4,ws")) and tb.one_consumer_dq(tb.DQ_SHORT_CONFIGS[128])
-    assert not tb.one_consumer_dq(None)
+    assert not tb.one_consumer_dq(None) and not tb.dq_computes_delta(None)
+
+
+@pytest.mark.parametrize("text", ["128,64,4,8,ws", "128,128,2,8,ws", "128,64,3,8,ws"])
+def test_two_consumer_dq_delta_from_o_launch(text, monkeypatch):
+    """Two consumer warp groups compute delta too: an O descriptor of the tile's 128 rows, one CTA per SM (the O
+    tile fits beside 4 stages of 64 keys at d = 128), and the backward uses it only when opted in."""
+    out = torch.full((256, 32, 128), 3.0, dtype=torch.bfloat16)
+    grid, args, kwargs = _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch, delta_from_o=True, out=out)
+    assert kwargs["DELTA_FROM_O"] is True and kwargs["PERSISTENT"] is False
+    do_desc, o_desc = args[3:5]
+    assert o_desc.base is out and list(o_desc.block_shape) == list(do_desc.block_shape) == [128, 128]
+    cfg = tb.parse_config(text)
+    assert tb.dq_ws_shared_bytes(cfg, 128, delta_from_o=True) - tb.dq_ws_shared_bytes(cfg, 128) == 128 * 128 * 2
+    # (128, 64, 4 stages) with O: 229456 B estimated, 229760 B compiled, under the 232448 B a CTA may take
+    assert tb.dq_ws_shared_bytes(cfg, 128, delta_from_o=True) <= 229456
+    assert tb.dq_ws_resources(cfg, 128, True)["ctas_per_sm"] == 1
+    assert tb.dq_computes_delta(cfg) and not tb.one_consumer_dq(cfg)
+    monkeypatch.delenv(tb.ENV_FUSED_DELTA, raising=False)
+    assert not tb.fused_delta_dq(cfg) and tb.fused_delta_dq(tb.DQ_SHORT_CONFIGS[128])
+    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "1")
+    assert tb.fused_delta_dq(cfg) and not tb.fused_delta_dq(tb.parse_config(text + ",persistent"))
 
 
 def test_dq_delta_from_o_needs_out_and_a_writable_delta(monkeypatch):

@@ -161,9 +161,30 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     assert torch.equal(delta, torch.zeros_like(lse))  # zeros: rows no dQ tile writes are read with P = 0
 
 
+def test_two_consumer_fused_delta_is_opt_in(monkeypatch):
+    """The two-consumer WS dQ (the long-batch default at d = 128) computes delta only with
+    ``$PACKATTN_GLUON_FUSED_DELTA=1`` (built, not yet measured on a GPU); then the backward runs as the
+    one-consumer fused one: dQ first with DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
+    from packattn.backends import triton_bwd_gluon as tb
+
+    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "1")
+    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", False)
+    assert triton_varlen.fuses_delta(plan, None)
+    assert [name for name, _, _ in log] == ["dq", "dkdv"]
+    (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
+    assert dq_kwargs["DELTA_FROM_O"] is True and dq_kwargs["BLOCK_M"] == 128 and dq_kwargs["PERSISTENT"] is False
+    assert dq_args[4].base is out and list(dq_args[4].block_shape) == [128, 128]
+    assert dkdv_args[5] is dq_args[6] and torch.equal(dq_args[6], torch.zeros_like(lse))
+    # a persistent dQ grid cannot (one tile per program), nor can a dlse term be folded in
+    plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws,persistent", False)
+    assert not triton_varlen.fuses_delta(plan, None)
+    plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", True)
+    assert not triton_varlen.fuses_delta(plan, lse)
+
+
 @pytest.mark.parametrize("dkdv,dq,with_dlse", [
     ("64,64,2,4,ws", "64,64,2,4,ws", True),      # dlse: its term stays in the preprocess
-    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ
+    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ (without $PACKATTN_GLUON_FUSED_DELTA=1)
     ("64,128,2,8,ws", "128,64,4,8,ws,persistent", False),
     (None, "64,64,2,4,ws", False),               # Triton dK/dV pass
     ("64,64,2,4,ws", None, False),               # Triton dQ pass

@@ -103,7 +103,7 @@ DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 # the tile's O with Q / dO by TMA, the consumer computes delta = rowsum(dO O) in its first step under the S / dP
 # wgmma and writes it for the dK/dV pass). 16 KB more shared memory at d = 128 (114940 B compiled, two CTAs per SM
 # still), consumer 212-217 of 232 registers, no spills (scripts/check_gluon_bwd_compile.py --kernels dq
-# --delta-from-o). Built, not yet run on a GPU: neither its correctness on a device nor its time is measured.
+# --delta-from-o). On GPUs since the eleventh session (benchmarks/NOTES.md, v21); two consumers: `ENV_FUSED_DELTA`.
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
@@ -287,10 +287,34 @@ def check_dq_ws_config(cfg: GluonBwdConfig) -> None:
                          "(block_m 128, num_warps 8)")
 
 
+def dq_computes_delta(cfg: GluonBwdConfig | None) -> bool:
+    """Can the dQ kernel of ``cfg`` compute delta itself (``gluon_launch_dq(..., delta_from_o=True)``)? The
+    warp-specialised one without a persistent grid, with one or two consumer warp groups."""
+    return cfg is not None and cfg.warp_specialize and not cfg.persistent
+
+
 def one_consumer_dq(cfg: GluonBwdConfig | None) -> bool:
-    """Is ``cfg`` the one-consumer warp-specialised dQ kernel (block_m 64, ws; `check_dq_ws_config` holds
-    for it), the only dQ kernel that can compute delta itself (``gluon_launch_dq(..., delta_from_o=True)``)?"""
+    """Is ``cfg`` the one-consumer warp-specialised dQ kernel (block_m 64, ws, not persistent; `check_dq_ws_config`
+    holds for it), the one whose delta computation (``gluon_launch_dq(..., delta_from_o=True)``) the backward
+    uses by default (`fused_delta_dq`)?"""
     return cfg is not None and cfg.warp_specialize and (cfg.block_m, cfg.num_warps) == (64, 4) and not cfg.persistent
+
+
+# DELTA FROM O with two consumer warp groups (block_m 128, `varlen_bwd_gluon_dq_ws`: each consumer sums its own 64
+# rows of the O tile): at d = 128 the O tile takes 32 KB of the 35 KB that (128, 64, 4 stages) leaves (229760 B
+# compiled, one CTA per SM), consumers 215-224 of 240 registers, no spills, the overlap check passes
+# (scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o --config 128,64,4,8,ws). It would drop the
+# preprocess of long batches (95 us of W1's / W4's f+b on an H100, 187 us of W2's). Built and compile-checked,
+# not yet run on a GPU (fifteenth session: no device time left), so opt-in: "1" lets every dQ config that can
+# compute delta (`dq_computes_delta`) do it.
+ENV_FUSED_DELTA = "PACKATTN_GLUON_FUSED_DELTA"
+
+
+def fused_delta_dq(cfg: GluonBwdConfig | None) -> bool:
+    """Does the dQ pass of ``cfg`` compute delta in the backward (`triton_varlen.fuses_delta`)? The one-consumer
+    warp-specialised config always; any other config that can (`dq_computes_delta`) with
+    ``$PACKATTN_GLUON_FUSED_DELTA=1`` (`ENV_FUSED_DELTA`)."""
+    return one_consumer_dq(cfg) or (dq_computes_delta(cfg) and env.get(ENV_FUSED_DELTA) == "1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,7 +393,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     of sequences only. ``config``: `dq_config`'s answer when the caller has it already. ``short_seqs``: a batch of
     short sequences (`triton_fwd_gluon.heads_per_section`'s work order).
 
-    ``delta_from_o`` (the one-consumer WS config only, `one_consumer_dq`; ValueError otherwise): the kernel
+    ``delta_from_o`` (a WS config without a persistent grid, `dq_computes_delta`; ValueError otherwise): the kernel
     computes delta = rowsum(dO * O) itself from ``out`` (the forward output, O; loaded by TMA with Q / dO,
     `varlen_bwd_gluon_dq_ws`, DELTA FROM O) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
     written in place, not copied) on the rows of the tiles that have key blocks; other rows keep what
@@ -377,8 +401,8 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     subtracts nothing."""
     cfg = config if config is not None else dq_config(q.shape[-1])
     if delta_from_o:
-        if not one_consumer_dq(cfg):
-            raise ValueError(f"delta_from_o needs the one-consumer warp-specialised dQ config (64,n,s,4,ws), "
+        if not dq_computes_delta(cfg):
+            raise ValueError(f"delta_from_o needs a warp-specialised dQ config without a persistent grid, "
                              f"not {cfg.label()}")
         if out is None or out.shape != dout.shape or out.dtype != dout.dtype:
             raise ValueError("delta_from_o needs out (O) shaped and typed like dout")

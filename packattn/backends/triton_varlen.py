@@ -395,8 +395,9 @@ def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     """Does `_varlen_bwd_planned` skip the preprocess (`bwd_delta`) and let the dQ pass compute delta
     (``triton_bwd_gluon.gluon_launch_dq(..., delta_from_o=True)``: rowsum(dO * O) from an O tile loaded with
     Q / dO, `varlen_bwd_gluon_dq_ws`, DELTA FROM O)? When the plan's dQ pass is the one-consumer
-    warp-specialised Gluon kernel (`triton_bwd_gluon.one_consumer_dq`: block_m 64, ws -- at d = 128 the
-    short-sequence config, `DQ_SHORT_CONFIGS`), the dK/dV pass is the Gluon one (it reads delta only on rows
+    warp-specialised Gluon kernel (`triton_bwd_gluon.fused_delta_dq`: block_m 64, ws -- at d = 128 the
+    short-sequence config, `DQ_SHORT_CONFIGS`; two consumers only with ``$PACKATTN_GLUON_FUSED_DELTA=1``), the
+    dK/dV pass is the Gluon one (it reads delta only on rows
     of sequences, `varlen_bwd_gluon_ws_load._stats_copy`, and takes P = 0 where lse = -inf), and there is no
     ``dlse`` (its term stays in the preprocess). The dQ pass then runs first, on ``delta = zeros_like(lse)``:
     it writes the rows of its tiles that have key blocks; the rows of tiles without any (queries that see no
@@ -404,7 +405,7 @@ def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     NaN, and 0 * NaN is NaN). Otherwise the preprocess, the dK/dV pass, the dQ pass, in that order. The
     float32 row sums run in another order than the preprocess's: results are close to, not bitwise, the
     unfused backward's (GPU: tests/gpu/test_triton_varlen_gpu.py, `test_short_batch_fused_delta`)."""
-    return dlse is None and plan.dkdv is not None and triton_bwd_gluon.one_consumer_dq(plan.dq)
+    return dlse is None and plan.dkdv is not None and triton_bwd_gluon.fused_delta_dq(plan.dq)
 
 
 def _bwd_constexprs(head_dim: int, dtype: torch.dtype, mask_args: tuple, top_left: bool) -> dict:

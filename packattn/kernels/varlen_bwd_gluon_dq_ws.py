@@ -92,11 +92,11 @@ KB: one CTA per SM, for which `ws_split` gives maxnreg 256 and ptxas warns ("Too
 no spills there either (196-204 / 192-197 / 240-249 of 256), but they defeat the purpose and are not
 listed in `triton_bwd_gluon.DQ_WS_ALTERNATIVES`. Built, not yet run on a GPU.
 
-DELTA FROM O (constexpr ``DELTA_FROM_O``, ``gluon_launch_dq(..., delta_from_o=True, out=O)``; one consumer only,
-static_assert, hence never ``PERSISTENT``: one tile per program): the kernel computes delta = rowsum(dO * O)
-itself instead of reading the preprocess's (`triton_varlen.bwd_delta`, dlse = None: no dlse term), so that the
-backward drops that kernel (`triton_varlen.fuses_delta`: the dQ pass then runs before the dK/dV pass, which
-reads the delta it wrote). A previous attempt (benchmarks/NOTES.md, v16) loaded O from global memory in the
+DELTA FROM O (constexpr ``DELTA_FROM_O``, ``gluon_launch_dq(..., delta_from_o=True, out=O)``; never ``PERSISTENT``,
+static_assert: one tile per program; one consumer, or two, each summing its own 64 rows of O): the kernel computes
+delta = rowsum(dO * O) itself instead of reading the preprocess's (`triton_varlen.bwd_delta`, dlse = None: no dlse
+term), so that the backward drops that kernel (`triton_varlen.fuses_delta`: the dQ pass then runs before the dK/dV
+pass, which reads the delta it wrote). A previous attempt (benchmarks/NOTES.md, v16) loaded O from global memory in the
 two-consumer kernel's consumers, on their critical path; here O comes by TMA:
 
 * Producer: O with Q and dO on ``q_bar`` (`varlen_bwd_gluon_dq_ws_producer`, module docstring).
@@ -241,11 +241,11 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). ``CONSUMERS
     == 1`` (module docstring, ONE CONSUMER): the only consumer zeroes both tails (K and V rows), no
     ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight.
-    ``DELTA_FROM_O`` (the tile's first step, one consumer; ``delta`` is None): delta = rowsum(dO O) from
+    ``DELTA_FROM_O`` (the tile's first step, not persistent; ``delta`` is None): delta = rowsum(dO O) from
     ``do_wg`` / ``o_wg`` while the S and dP wgmma run, stored to ``delta_ptr[i]`` for ``i < delta_rows``
     (`_delta_from_o`); returns ``(dq, ds, ntail, delta)``."""
-    gl.static_assert((not DELTA_FROM_O) | ((CONSUMERS == 1) & (not WITH_PREV) & (not TREE)),
-                     "delta from O: one consumer, the tile's first step")
+    gl.static_assert((not DELTA_FROM_O) | ((not PERSISTENT) & (not WITH_PREV) & (not TREE)),
+                     "delta from O: not persistent, the tile's first step")
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     k_buf = k_bufs.index(slot)
@@ -414,8 +414,8 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
     the tile, their dQ; with ``PERSISTENT`` (two consumers only) for each work item ``pid, pid + nprog,
     ...`` (module docstring: one state word, ring steps counted over the items, Q / dO released on
-    ``q_empty`` after the item's last wgmma, dQ stored from registers). ``DELTA_FROM_O`` (one consumer,
-    not persistent): delta from dO and O (``o_smem``) instead of loaded (`_consume_item`)."""
+    ``q_empty`` after the item's last wgmma, dQ stored from registers). ``DELTA_FROM_O`` (not persistent):
+    delta of its rows from dO and O (its rows of ``o_smem``) instead of loaded (`_consume_item`)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
@@ -457,12 +457,13 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
         if num_blocks > 0:
             ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-            if DELTA_FROM_O:  # (one consumer: o_smem is its 64 rows)
+            if DELTA_FROM_O:  # this warp group's rows of O
                 dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
                                           len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
                                           window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
                                           zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS, o_smem, True)
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS,
+                                          o_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0), True)
             else:
                 dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
                                           len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
@@ -488,13 +489,13 @@ def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, r
                            k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                            HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                           PERSISTENT: gl.constexpr):
+                           PERSISTENT: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
                     qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
                     q_bar, q_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                    HAS_CHUNK, TOP_LEFT, PERSISTENT, 2)
+                    HAS_CHUNK, TOP_LEFT, PERSISTENT, 2, o_smem, DELTA_FROM_O)
 
 
 # ---------------------------------------------------------------- kernel
@@ -548,13 +549,13 @@ def varlen_bwd_dq_gluon_ws_kernel(
     num_heads_q`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the argument is
     then unused), spread over a smaller grid with it (module docstring). ``BLOCK_M`` 128: two consumer
     warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``). ``DELTA_FROM_O``
-    (one consumer only; DELTA FROM O in the module docstring): ``o_desc`` (O, blocks as ``do_desc``) is
+    (not with ``PERSISTENT``; DELTA FROM O in the module docstring): ``o_desc`` (O, blocks as ``do_desc``) is
     loaded with Q / dO, ``Delta`` is written (rowsum(dO O) of the tile's rows) instead of read; without it
     ``o_desc`` is unused (the launcher passes None: no kernel parameter)."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == WG_ROWS) | (BLOCK_M == 2 * WG_ROWS), "one or two consumer warp groups of 64 queries")
     gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
-    gl.static_assert((not DELTA_FROM_O) | (CONSUMERS == 1), "delta from O needs the one-consumer kernel")
+    gl.static_assert((not DELTA_FROM_O) | (not PERSISTENT), "delta from O: one tile per program")
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps, CONSUMERS)
     if DELTA_FROM_O:  # O of the tile (loaded on q_bar with Q / dO), read by the consumer's row sums only
@@ -573,16 +574,17 @@ def varlen_bwd_dq_gluon_ws_kernel(
                                heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
                                chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
                                HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS)),
+                               CONSUMERS, o_smem, DELTA_FROM_O)),
             (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                       row_offsets_kv, stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q,
                                       group_size, heads_per_section, num_work, qk_scale_log2, scale, window_left,
                                       window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
                                       empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                      TOP_LEFT, PERSISTENT)),
+                                      TOP_LEFT, PERSISTENT, o_smem, DELTA_FROM_O)),
             (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
-                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT)),
+                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,
+                               o_desc, o_smem, DELTA_FROM_O)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4
         # warps. With DELTA_FROM_O the producer loads O too (a third TMA on q_bar) and the consumer reads it.

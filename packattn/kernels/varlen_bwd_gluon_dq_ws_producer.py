@@ -12,10 +12,11 @@ at once.
 
 DELTA FROM O (`varlen_bwd_gluon_dq_ws`), the producer's part:
 
-* Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[64, HEAD_DIM]`` as
-  ``do_desc``) into ``o_smem`` (one more ``[64, HEAD_DIM]`` buffer, 16 KB at d = 128, 8 KB at d = 64) with Q and
-  dO on ``q_bar``: one ``expect`` of the three blocks' bytes (3 x 64 x HEAD_DIM x 2: 49152 at d = 128), three
-  TMA copies. ``q_bar`` completes one phase per program (one tile), the consumer waits parity 0, as without O.
+* Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[BLOCK_M, HEAD_DIM]``
+  as ``do_desc``) into ``o_smem`` (one more ``[BLOCK_M, HEAD_DIM]`` buffer: 16 / 32 KB for one / two consumers at
+  d = 128) with Q and dO on ``q_bar``: one ``expect`` of the three blocks' bytes (3 x BLOCK_M x HEAD_DIM x 2:
+  49152 for one consumer at d = 128), three TMA copies. ``q_bar`` completes one phase per program (one tile),
+  the consumers wait parity 0, as without O.
 """
 
 from triton.experimental import gluon
@@ -82,7 +83,7 @@ def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seq
     ``PERSISTENT`` (two consumers only): for each work item ``pid, pid + nprog, ...`` with blocks, its
     first ``min(num_blocks, STAGES)`` blocks, then Q / dO once both consumers released the previous
     item's on ``q_empty``, then the other blocks (ring steps and Q / dO loads counted over the items,
-    as the consumers count them). ``DELTA_FROM_O`` (one consumer, not persistent): the tile's O rows
+    as the consumers count them). ``DELTA_FROM_O`` (not persistent): the tile's O rows
     (``o_desc``) into ``o_smem`` with Q and dO, on ``q_bar`` (its expected bytes count the three)."""
     if PERSISTENT:
         step = 0  # ring steps issued so far
