@@ -10,6 +10,11 @@ wall time per call (sync after each call) and the do_bench median (what `packatt
 
 ``--variant``: environment settings ("NAME=VALUE;NAME=VALUE", "" for none) under which every workload is
 broken down again, one after the other in this process (the launchers read these switches per call).
+``--repeat R``: the whole list of variants R times, interleaved (A B A B ...), and ``--pause S`` seconds of idle
+GPU before each breakdown: an H100 at its power limit runs the same kernels 10-20% slower hot than cool, so a
+single A-then-B comparison measures the heat as much as the variants (benchmarks/NOTES.md, session 15). With
+more than one variant or repeat a summary follows: per workload and variant the median, lowest and highest GPU
+time and do_bench time over the repeats, and the SM clock recorded after each breakdown.
 
 ``docs:N``: 32768 tokens of documents of N tokens each (the last one shorter), heads 16/16, causal (W8 is
 docs:512).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +35,7 @@ import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 import packattn
+from packattn.bench.runner import _gpu_state
 from packattn.bench.workloads import Workload, tree_workloads, varlen_workloads
 
 
@@ -47,7 +54,8 @@ def step_fn(w, forward_only: bool = False):
     return step
 
 
-def breakdown(name: str, w, iters: int, forward_only: bool = False) -> None:
+def breakdown(name: str, w, iters: int, forward_only: bool = False) -> dict:
+    """Print the breakdown of one workload; returns ``{"gpu_us", "bench_us", "kernels": {name: us}}``."""
     step = step_fn(w, forward_only)
     for _ in range(3):
         step()
@@ -78,6 +86,21 @@ def breakdown(name: str, w, iters: int, forward_only: bool = False) -> None:
           f"back, wall {wall_us:.1f} us per synchronised call, {bench_us:.1f} us do_bench median (as packattn bench)")
     for kernel, us in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {us / iters:9.1f} us  {counts[kernel] / iters:4.1f}x  {100 * us / iters / gpu_us:5.1f}%  {kernel[:90]}")
+    return {"gpu_us": gpu_us, "bench_us": bench_us, "kernels": {k: us / iters for k, us in totals.items()}}
+
+
+def summary(results: dict) -> None:
+    """``results[(workload, variant)]``: the breakdowns (with ``"mhz"``) of that pair over the repeats."""
+    print("\n## summary: median [lowest, highest] over the repeats, us per call")
+    for (name, variant), runs in results.items():
+        gpu = sorted(r["gpu_us"] for r in runs)
+        bench = sorted(r["bench_us"] for r in runs)
+        mhz = "/".join(str(r["mhz"]) for r in runs)
+        print(f"{name:8s} {variant or '(as is)':60s} GPU {statistics.median(gpu):8.1f} [{gpu[0]:.1f}, {gpu[-1]:.1f}]"
+              f"  do_bench {statistics.median(bench):8.1f} [{bench[0]:.1f}, {bench[-1]:.1f}]  MHz {mhz}")
+        for kernel in sorted(runs[0]["kernels"], key=lambda k: -runs[0]["kernels"][k]):
+            times = [r["kernels"].get(kernel, 0.0) for r in runs]
+            print(f"    {statistics.median(times):9.1f} us  {kernel[:80]}")
 
 
 def main(argv: list[str]) -> int:
@@ -86,6 +109,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--forward", action="store_true", help="the forward alone (inputs requiring grad)")
     parser.add_argument("--variant", action="append", help='"NAME=VALUE;NAME=VALUE" ("" = as is); repeatable')
+    parser.add_argument("--repeat", type=int, default=1, help="run the list of variants this many times, interleaved")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds of idle GPU before each breakdown")
     args = parser.parse_args(argv)
     table = {**varlen_workloads(), **tree_workloads()}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -94,13 +119,21 @@ def main(argv: list[str]) -> int:
             n = int(name[5:])
             table[name] = Workload(name, [n] * (32768 // n) + ([32768 % n] if 32768 % n else []),
                                    options={"causal": True})
-    for variant in args.variant or [""]:
-        settings = dict(item.split("=", 1) for item in variant.split(";") if item)
-        if variant:
-            print(f"\n## variant {variant}")
-        with mock.patch.dict(os.environ, settings):
-            for name in args.workloads:
-                breakdown(name, table[name], args.iters, args.forward)
+    variants = args.variant or [""]
+    results = defaultdict(list)
+    for repeat in range(args.repeat):
+        for variant in variants:
+            settings = dict(item.split("=", 1) for item in variant.split(";") if item)
+            if variant or args.repeat > 1:
+                print(f"\n## variant {variant or '(as is)'}" + (f", repeat {repeat + 1}" if args.repeat > 1 else ""))
+            with mock.patch.dict(os.environ, settings):
+                for name in args.workloads:
+                    time.sleep(args.pause)
+                    result = breakdown(name, table[name], args.iters, args.forward)
+                    result["mhz"] = _gpu_state(torch.cuda.current_device()).get("sm_mhz", "?")
+                    results[(name, variant)].append(result)
+    if len(variants) > 1 or args.repeat > 1:
+        summary(results)
     return 0
 
 
