@@ -7,7 +7,8 @@ Stubs (installed by `install_stubs`, process-wide):
 
 * ``torch.Tensor.is_cuda`` is True, ``torch.cuda.is_available`` True, compute capability (9, 0),
   132 SMs, current device 0 -- so the Gluon (sm_90) choices are taken as on an H200;
-* ``triton_varlen.device_unsupported`` accepts "cpu" (dispatch only, cached per params);
+* ``triton_varlen.device_unsupported`` and ``triton_tree.device_unsupported`` accept "cpu" (dispatch only, cached
+  per params);
 * ``triton_varlen.launch_config`` is called with ``cuda:0`` instead of the CPU device (so the Hopper
   table is used, not the interpreter's) -- a thin wrapper, ~0.3 us per call;
 * every ``*_kernel`` in ``packattn.kernels.*`` launches nothing (``kernel[grid](...)`` returns at once).
@@ -20,7 +21,7 @@ Fills are real memsets here: the short-batch backward's ``delta = zeros_like(lse
 costs 85-260 us of CPU per f+b (see ``--profile``), where the GPU path launches one fill kernel
 (a few us of host): subtract it from the forward + backward figure.
 
-usage: python3 benchmarks/probe_host_cpu.py [--calls 200] [--repeats 7] [--profile] [--workload W8|W1|W3|...]
+usage: python3 benchmarks/probe_host_cpu.py [--calls 200] [--repeats 7] [--profile] [--workload W8|W1|W3|W8tree|...]
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def install_stubs() -> None:
             if name.endswith("_kernel") and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
                 setattr(module, name, _NoLaunch(obj))
 
+    from packattn.backends import triton_tree
+
     tv.device_unsupported = lambda device_type: None
+    triton_tree.device_unsupported = lambda device_type: None
     real_launch_config = tv.launch_config
     cuda0 = torch.device("cuda", 0)
 
@@ -115,25 +119,29 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile of 200 f+b calls, by own time")
-    parser.add_argument("--workload", default="W8", help="W8 (default) or another of bench.workloads' varlen ones")
+    parser.add_argument("--workload", default="W8", help="W8 (default) or another of bench.workloads' (tree ones: triton_tree)")
     args = parser.parse_args()
 
     install_stubs()
     import packattn
     from packattn.backends import triton_varlen as tv
 
+    from packattn.bench.workloads import tree_workloads, varlen_workloads
+
+    backend = "triton"
     if args.workload == "W8":
         seqs, q, k, v, dout = make_w8()
         options = {"causal": True}
+    elif args.workload in tree_workloads():  # the tree backend on a `Tree` (W6, W7, W8tree)
+        seqs, q, k, v = tree_workloads()[args.workload].make_inputs("cpu")
+        dout, options, backend = torch.randn_like(q), {}, "triton_tree"
     else:
-        from packattn.bench.workloads import varlen_workloads
-
         w = varlen_workloads()[args.workload]
         seqs, q, k, v = w.make_inputs("cpu")
         dout, options = torch.randn_like(q), w.options
 
     def fwd():
-        return packattn.attention(q, k, v, seqs, backend="triton", **options)
+        return packattn.attention(q, k, v, seqs, backend=backend, **options)
 
     def fwd_nograd():
         with torch.no_grad():
@@ -147,8 +155,8 @@ def main() -> None:
     for f in (fwd, fwd_nograd, fwdbwd):  # warm up: tile tables, dispatch cache, lru caches
         f()
 
-    print(f"torch {torch.__version__}, CPU stubs (no launches), {args.workload} ({seqs.num_seqs} sequences, "
-          f"{seqs.total_q} rows), heads {q.shape[1]}/{k.shape[1]}, d={q.shape[2]}, bf16, {options}")
+    print(f"torch {torch.__version__}, CPU stubs (no launches), {args.workload} ({type(seqs).__name__}, "
+          f"{q.shape[0]} rows), heads {q.shape[1]}/{k.shape[1]}, d={q.shape[2]}, bf16, {options}, backend {backend}")
     print(f"packattn from {os.path.dirname(packattn.__file__)}")
     print(f"{'host us per call':<28} {'min':>8} {'median':>8}")
     for label, f in (("forward (requires grad)", fwd), ("forward (no grad)", fwd_nograd), ("forward + backward", fwdbwd)):
