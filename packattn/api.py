@@ -140,7 +140,10 @@ def attention(
         if k.shape[b_axis] != batch or v.shape[b_axis] != batch or v.shape[1 - b_axis] != sk:
             raise ValueError(f"q, k, v batch/sequence sizes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         dense = (batch, sq, sk)
-        seqs = _dense_descriptor(batch, sq, sk, q.device)
+        # (under torch.compile the cache is bypassed on purpose: dynamo traces the builder, and warns when it
+        # meets an lru_cache wrapper)
+        make = _dense_descriptor.__wrapped__ if torch.compiler.is_compiling() else _dense_descriptor
+        seqs = make(batch, sq, sk, q.device)
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
     if tree is not None:

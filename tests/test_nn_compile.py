@@ -9,8 +9,10 @@ an eager call with the same descriptor, except in the cold-dispatch-cache test.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
+
 import torch
 
 from packattn import Tree, Varlen, dispatch
@@ -113,7 +115,9 @@ def test_packed_attention_compiles_fullgraph():
 
         eager = step(q, k, v)
         eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
-        out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+        with warnings.catch_warnings():  # no dynamo warning either (e.g. about a cached helper it traces through)
+            warnings.simplefilter("error", UserWarning)
+            out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         torch.testing.assert_close(out, eager, **TOL)
         for got, want in zip(grads, eager_grads):
