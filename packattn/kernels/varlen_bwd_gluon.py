@@ -63,8 +63,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_fwd_gluon import (_load_kv_block, _tile_row, _to_operand, _visible, _zero_v_tail,
-                                               mma_layout, row_store_layout)
+from packattn.kernels.varlen_fwd_gluon import (_aligned_shift, _load_kv_block, _tile_row, _to_operand, _visible,
+                                               _zero_v_tail, mma_layout, row_store_layout)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -98,10 +98,7 @@ def _visible_t(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_s
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """`varlen_fwd_gluon._visible` transposed, ``(len(offs_k), len(offs_q))``, for tiles that hold keys
     as rows: the same visibility (see `_aligned_range_of_keys`), computed per key."""
-    if TOP_LEFT:
-        aligned = offs_q
-    else:
-        aligned = offs_q + (len_kv - len_q)
+    aligned = offs_q + _aligned_shift(len_q, len_kv, TOP_LEFT)
     a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size,
                                         HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
     ok = (aligned[None, :] >= a_lo[:, None]) & (aligned[None, :] < a_hi[:, None])

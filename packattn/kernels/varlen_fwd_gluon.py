@@ -139,10 +139,7 @@ def _visible(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_siz
              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """``(len(offs_q), len(offs_k))`` booleans: query ``offs_q[i]`` sees key ``offs_k[j]`` (positions
     inside the sequence; queries past ``len_q`` and keys past ``len_kv`` see nothing)."""
-    if TOP_LEFT:
-        aligned = offs_q
-    else:
-        aligned = offs_q + (len_kv - len_q)
+    aligned = offs_q + _aligned_shift(len_q, len_kv, TOP_LEFT)
     lo, hi = _key_range(aligned, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
     ok = (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
     return ok & (offs_q < len_q)[:, None]
