@@ -99,7 +99,7 @@ DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4), 128: GluonBwdConfig(128, 64, 4, 8,
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 # With this config (any one-consumer WS dQ, `one_consumer_dq`), a Gluon dK/dV pass and no dlse, the triton backend
 # skips the backward preprocess (W8 on an H200: 68 of 1029 us): `triton_varlen.fuses_delta`; the dQ pass runs first
-# with ``gluon_launch_dq(..., delta_from_o=True, out=O)`` (`varlen_bwd_gluon_dq_ws`, DELTA FROM O: the producer loads
+# with ``gluon_launch_dq(..., delta_from_o=True, out=O)`` (`varlen_bwd_gluon_dq_delta`, DELTA FROM O: the producer loads
 # the tile's O with Q / dO by TMA, the consumer computes delta = rowsum(dO O) in its first step under the S / dP
 # wgmma and writes it for the dK/dV pass). 16 KB more shared memory at d = 128 (114940 B compiled, two CTAs per SM
 # still), consumer 212-217 of 232 registers, no spills (scripts/check_gluon_bwd_compile.py --kernels dq
@@ -148,7 +148,7 @@ DKDV_ALTERNATIVES = {64: [GluonBwdConfig(64, 64, 4, 4)] + DKDV_WS_ALTERNATIVES[6
 # (consumer registers used of 232; compiled shared memory): d = 128 (64, 64, 2) 175-183, 98540 B; d = 64 (64, 64,
 # 2 / 3 / 4) 137-152, 49388 / 65804 / 82188 B, (64, 128, 2) 203-217, 82156 B. Not persistent (refused:
 # `check_dq_ws_config`). The dQ tile table follows the config's blocks (`triton_varlen.dq_choice`); the tree dQ
-# (`use_gluon_tree_dq`) only runs 128 x 64 tiles. Built, not yet run on a GPU.
+# (`use_gluon_tree_dq`) only runs 128 x 64 tiles. On GPUs since the ninth session (d = 128: `DQ_SHORT_CONFIGS`).
 DQ_WS_ALTERNATIVES = {64: [GluonBwdConfig(128, 64, 4, 8, True), GluonBwdConfig(128, 128, 2, 8, True),
                            GluonBwdConfig(64, 64, 2, 4, True), GluonBwdConfig(64, 64, 3, 4, True),
                            GluonBwdConfig(64, 64, 4, 4, True), GluonBwdConfig(64, 128, 2, 4, True)],
@@ -300,7 +300,7 @@ def one_consumer_dq(cfg: GluonBwdConfig | None) -> bool:
     return cfg is not None and cfg.warp_specialize and (cfg.block_m, cfg.num_warps) == (64, 4) and not cfg.persistent
 
 
-# DELTA FROM O with two consumer warp groups (block_m 128, `varlen_bwd_gluon_dq_ws`: each consumer sums its own 64
+# DELTA FROM O with two consumer warp groups (block_m 128, `varlen_bwd_gluon_dq_delta`: each consumer sums its own 64
 # rows of the O tile): at d = 128 the O tile takes 32 KB of the 35 KB that (128, 64, 4 stages) leaves (229760 B
 # compiled, one CTA per SM), consumers 215-224 of 240 registers, no spills, the overlap check passes
 # (scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o --config 128,64,4,8,ws). It would drop the
@@ -395,7 +395,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
 
     ``delta_from_o`` (a WS config without a persistent grid, `dq_computes_delta`; ValueError otherwise): the kernel
     computes delta = rowsum(dO * O) itself from ``out`` (the forward output, O; loaded by TMA with Q / dO,
-    `varlen_bwd_gluon_dq_ws`, DELTA FROM O) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
+    `varlen_bwd_gluon_dq_delta`) and WRITES it into ``delta`` (float32, lse's shape, contiguous:
     written in place, not copied) on the rows of the tiles that have key blocks; other rows keep what
     ``delta`` held (the caller passes zeros, `triton_varlen.fuses_delta`). No dlse term: the caller
     subtracts nothing."""

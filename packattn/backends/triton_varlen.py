@@ -394,7 +394,7 @@ def _varlen_bwd_planned(
 def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     """Does `_varlen_bwd_planned` skip the preprocess (`bwd_delta`) and let the dQ pass compute delta
     (``triton_bwd_gluon.gluon_launch_dq(..., delta_from_o=True)``: rowsum(dO * O) from an O tile loaded with
-    Q / dO, `varlen_bwd_gluon_dq_ws`, DELTA FROM O)? When `triton_bwd_gluon.fused_delta_dq` says so of the
+    Q / dO, `varlen_bwd_gluon_dq_delta`)? When `triton_bwd_gluon.fused_delta_dq` says so of the
     plan's dQ config (the one-consumer warp-specialised Gluon kernel, block_m 64, ws -- at d = 128 the
     short-sequence config, `DQ_SHORT_CONFIGS`; two consumers only with ``$PACKATTN_GLUON_FUSED_DELTA=1``), the
     dK/dV pass is the Gluon one (it reads delta only on rows of sequences,

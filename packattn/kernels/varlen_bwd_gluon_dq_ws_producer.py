@@ -1,8 +1,8 @@
 """The load side of the warp-specialised dQ kernel (`packattn.kernels.varlen_bwd_gluon_dq_ws`, whose
-module docstring describes the partitions, barriers, DELTA FROM O and the persistent mode): the work-item
-decode every partition shares (`_dq_tile`), the persistent partitions' Q / dO parity bit, and the 1-warp
-producer partition (per tile Q and dO -- and O with ``DELTA_FROM_O`` -- by TMA, then the key blocks into
-the K / V ring).
+module docstring describes the partitions, barriers and the persistent mode; DELTA FROM O:
+`varlen_bwd_gluon_dq_delta`): the work-item decode every partition shares (`_dq_tile`), the persistent
+partitions' Q / dO parity bit, and the 1-warp producer partition (per tile Q and dO -- and O with
+``DELTA_FROM_O`` -- by TMA, then the key blocks into the K / V ring).
 
 Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._work_item`, ``num_blocks
 = 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot
@@ -10,7 +10,7 @@ Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._wor
 consumers read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
 at once.
 
-DELTA FROM O (`varlen_bwd_gluon_dq_ws`), the producer's part:
+DELTA FROM O (`varlen_bwd_gluon_dq_delta`), the producer's part:
 
 * Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[BLOCK_M, HEAD_DIM]``
   as ``do_desc``) into ``o_smem`` (one more ``[BLOCK_M, HEAD_DIM]`` buffer: 16 / 32 KB for one / two consumers at
