@@ -339,7 +339,8 @@ def test_dq_delta_from_o_refuses_other_configs(text, monkeypatch):
 @pytest.mark.parametrize("text", ["128,64,4,8,ws", "128,128,2,8,ws", "128,64,3,8,ws"])
 def test_two_consumer_dq_delta_from_o_launch(text, monkeypatch):
     """Two consumer warp groups compute delta too: an O descriptor of the tile's 128 rows, one CTA per SM (the O
-    tile fits beside 4 stages of 64 keys at d = 128), and the backward uses it only when opted in."""
+    tile fits beside 4 stages of 64 keys at d = 128), and the backward uses it unless
+    ``$PACKATTN_GLUON_FUSED_DELTA=0``."""
     out = torch.full((256, 32, 128), 3.0, dtype=torch.bfloat16)
     grid, args, kwargs = _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch, delta_from_o=True, out=out)
     assert kwargs["DELTA_FROM_O"] is True and kwargs["PERSISTENT"] is False
@@ -352,9 +353,9 @@ def test_two_consumer_dq_delta_from_o_launch(text, monkeypatch):
     assert tb.dq_ws_resources(cfg, 128, True)["ctas_per_sm"] == 1
     assert tb.dq_computes_delta(cfg) and not tb.one_consumer_dq(cfg)
     monkeypatch.delenv(tb.ENV_FUSED_DELTA, raising=False)
-    assert not tb.fused_delta_dq(cfg) and tb.fused_delta_dq(tb.DQ_SHORT_CONFIGS[128])
-    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "1")
     assert tb.fused_delta_dq(cfg) and not tb.fused_delta_dq(tb.parse_config(text + ",persistent"))
+    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "0")
+    assert not tb.fused_delta_dq(cfg) and tb.fused_delta_dq(tb.DQ_SHORT_CONFIGS[128])
 
 
 def test_dq_delta_from_o_needs_out_and_a_writable_delta(monkeypatch):

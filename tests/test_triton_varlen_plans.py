@@ -161,13 +161,12 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     assert torch.equal(delta, torch.zeros_like(lse))  # zeros: rows no dQ tile writes are read with P = 0
 
 
-def test_two_consumer_fused_delta_is_opt_in(monkeypatch):
-    """The two-consumer WS dQ (the long-batch default at d = 128) computes delta only with
-    ``$PACKATTN_GLUON_FUSED_DELTA=1`` (built, not yet measured on a GPU); then the backward runs as the
+def test_two_consumer_dq_fuses_delta(monkeypatch):
+    """The two-consumer WS dQ (the long-batch default at d = 128) computes delta too: the backward runs as the
     one-consumer fused one: dQ first with DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
     from packattn.backends import triton_bwd_gluon as tb
 
-    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "1")
+    monkeypatch.delenv(tb.ENV_FUSED_DELTA, raising=False)
     plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", False)
     assert triton_varlen.fuses_delta(plan, None)
     assert [name for name, _, _ in log] == ["dq", "dkdv"]
@@ -184,12 +183,15 @@ def test_two_consumer_fused_delta_is_opt_in(monkeypatch):
 
 @pytest.mark.parametrize("dkdv,dq,with_dlse", [
     ("64,64,2,4,ws", "64,64,2,4,ws", True),      # dlse: its term stays in the preprocess
-    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ (without $PACKATTN_GLUON_FUSED_DELTA=1)
+    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ with $PACKATTN_GLUON_FUSED_DELTA=0
     ("64,128,2,8,ws", "128,64,4,8,ws,persistent", False),
     (None, "64,64,2,4,ws", False),               # Triton dK/dV pass
     ("64,64,2,4,ws", None, False),               # Triton dQ pass
 ])
 def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
+    from packattn.backends import triton_bwd_gluon as tb
+
+    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "0")  # (the one-consumer dQ computes delta all the same)
     plan, _, lse, log = _planned_launches(monkeypatch, dkdv, dq, with_dlse)
     assert not triton_varlen.fuses_delta(plan, lse if with_dlse else None)
     assert [name for name, _, _ in log] == ["preprocess", "dkdv", "dq"]

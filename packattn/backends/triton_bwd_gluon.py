@@ -24,7 +24,7 @@ In the triton backend (`packattn.backends.triton_varlen`) on sm_90: the dQ pass 
 warp-specialised `gluon_launch_dkdv` (`use_gluon_dkdv`; its key tile table is built by the forward
 with `dkdv_blocks`). Both decisions depend only on dtypes, shapes, device and the environment, so
 the forward and the backward agree; ``PACKATTN_TRITON_BWD=triton`` keeps the Triton passes.
-With the one-consumer WS dQ config (`DQ_SHORT_CONFIGS`), a Gluon dK/dV pass and no dlse, `triton_varlen.fuses_delta`
+With a warp-specialised dQ config (`dq_computes_delta`), a Gluon dK/dV pass and no dlse, `triton_varlen.fuses_delta`
 drops the preprocess: the dQ pass computes and writes delta (``gluon_launch_dq(..., delta_from_o=True)``) and
 runs before the dK/dV pass. `gluon_varlen_bwd` (every pass in Gluon, with this module's configs) serves A/B runs
 (`benchmarks/ab_gluon_bwd.py`). The tree backward (`triton_tree`) runs the warp-specialised dK/dV
@@ -103,7 +103,7 @@ DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 # the tile's O with Q / dO by TMA, the consumer computes delta = rowsum(dO O) in its first step under the S / dP
 # wgmma and writes it for the dK/dV pass). 16 KB more shared memory at d = 128 (114940 B compiled, two CTAs per SM
 # still), consumer 212-217 of 232 registers, no spills (scripts/check_gluon_bwd_compile.py --kernels dq
-# --delta-from-o). On GPUs since the eleventh session (benchmarks/NOTES.md, v21); two consumers: `ENV_FUSED_DELTA`.
+# --delta-from-o). On GPUs since the eleventh session (benchmarks/NOTES.md, v21); two consumers: `fused_delta_dq`.
 # Spill-free alternatives for A/B runs. Non-specialised dK/dV: at d = 128 dK + dV hold 128 float32
 # registers per thread, so 64-query blocks spill and (32, 128, 4 stages) is its best shape (0.65-0.99x
 # the Triton pass); (.., 64, .., 4 warps) tiles: one warp group, <= 98 KB of shared memory, so two CTAs
@@ -296,25 +296,26 @@ def dq_computes_delta(cfg: GluonBwdConfig | None) -> bool:
 def one_consumer_dq(cfg: GluonBwdConfig | None) -> bool:
     """Is ``cfg`` the one-consumer warp-specialised dQ kernel (block_m 64, ws, not persistent; `check_dq_ws_config`
     holds for it), the one whose delta computation (``gluon_launch_dq(..., delta_from_o=True)``) the backward
-    uses by default (`fused_delta_dq`)?"""
+    has computed since the eleventh session (`fused_delta_dq`)?"""
     return cfg is not None and cfg.warp_specialize and (cfg.block_m, cfg.num_warps) == (64, 4) and not cfg.persistent
 
 
 # DELTA FROM O with two consumer warp groups (block_m 128, `varlen_bwd_gluon_dq_delta`: each consumer sums its own 64
 # rows of the O tile): at d = 128 the O tile takes 32 KB of the 35 KB that (128, 64, 4 stages) leaves (229760 B
 # compiled, one CTA per SM), consumers 215-224 of 240 registers, no spills, the overlap check passes
-# (scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o --config 128,64,4,8,ws). It would drop the
-# preprocess of long batches (95 us of W1's / W4's f+b on an H100, 187 us of W2's). Built and compile-checked,
-# not yet run on a GPU (fifteenth session: no device time left), so opt-in: "1" lets every dQ config that can
-# compute delta (`dq_computes_delta`) do it.
+# (scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o --config 128,64,4,8,ws). It drops the preprocess
+# of long batches (95 us of W1's / W4's f+b on an H100, 187 us of W2's) for a dQ pass 3-7% longer. Measured on an H100
+# (sixteenth session, kernel_breakdown A/B interleaved x3, results/2026-11-25/s16_fused_delta_ab_h100.txt): GPU per
+# f+b against the unchanged forward kernel -1.6% W1, -1.1% W2, -0.4% W4; so the default wherever the dQ config can
+# (`dq_computes_delta`). ``$PACKATTN_GLUON_FUSED_DELTA=0`` keeps the preprocess for two consumer warp groups (A/B).
 ENV_FUSED_DELTA = "PACKATTN_GLUON_FUSED_DELTA"
 
 
 def fused_delta_dq(cfg: GluonBwdConfig | None) -> bool:
-    """Does the dQ pass of ``cfg`` compute delta in the backward (`triton_varlen.fuses_delta`)? The one-consumer
-    warp-specialised config always; any other config that can (`dq_computes_delta`) with
-    ``$PACKATTN_GLUON_FUSED_DELTA=1`` (`ENV_FUSED_DELTA`)."""
-    return one_consumer_dq(cfg) or (dq_computes_delta(cfg) and env.get(ENV_FUSED_DELTA) == "1")
+    """Does the dQ pass of ``cfg`` compute delta in the backward (`triton_varlen.fuses_delta`)? Every config that
+    can (`dq_computes_delta`); with ``$PACKATTN_GLUON_FUSED_DELTA=0`` (`ENV_FUSED_DELTA`) only the one-consumer
+    one."""
+    return one_consumer_dq(cfg) or (dq_computes_delta(cfg) and env.get(ENV_FUSED_DELTA) != "0")
 
 
 @functools.lru_cache(maxsize=None)

@@ -395,8 +395,8 @@ def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     """Does `_varlen_bwd_planned` skip the preprocess (`bwd_delta`) and let the dQ pass compute delta
     (``triton_bwd_gluon.gluon_launch_dq(..., delta_from_o=True)``: rowsum(dO * O) from an O tile loaded with
     Q / dO, `varlen_bwd_gluon_dq_delta`)? When `triton_bwd_gluon.fused_delta_dq` says so of the
-    plan's dQ config (the one-consumer warp-specialised Gluon kernel, block_m 64, ws -- at d = 128 the
-    short-sequence config, `DQ_SHORT_CONFIGS`; two consumers only with ``$PACKATTN_GLUON_FUSED_DELTA=1``), the
+    plan's dQ config (a warp-specialised Gluon kernel without a persistent grid: at d = 128 the short-sequence
+    config `DQ_SHORT_CONFIGS` and the long one; ``$PACKATTN_GLUON_FUSED_DELTA=0`` keeps two consumers out), the
     dK/dV pass is the Gluon one (it reads delta only on rows of sequences,
     `varlen_bwd_gluon_ws_load._stats_copy`, and takes P = 0 where lse = -inf), and there is no
     ``dlse`` (its term stays in the preprocess). The dQ pass then runs first, on ``delta = zeros_like(lse)``:
@@ -404,7 +404,8 @@ def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     key: lse = -inf, P = 0 in the dK/dV pass) keep 0, which P = 0 cancels (uninitialised memory could hold
     NaN, and 0 * NaN is NaN). Otherwise the preprocess, the dK/dV pass, the dQ pass, in that order. The
     float32 row sums run in another order than the preprocess's: results are close to, not bitwise, the
-    unfused backward's (GPU: tests/gpu/test_triton_varlen_gpu.py, `test_short_batch_fused_delta`)."""
+    unfused backward's (GPU: tests/gpu/test_triton_varlen_gpu.py, `test_short_batch_fused_delta`,
+    `test_long_batch_fused_delta_two_consumers`)."""
     return dlse is None and plan.dkdv is not None and triton_bwd_gluon.fused_delta_dq(plan.dq)
 
 

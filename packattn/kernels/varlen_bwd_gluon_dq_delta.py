@@ -35,8 +35,8 @@ whose code is there twice: ~2200-2500 consumer SASS instructions instead of ~130
 stages) 143-151 / 144-165 / 144-164, 57596 / 74012 / 90396 B, (64, 128, 2 stages) 206-218, 90364 B. On GPUs since
 the eleventh session: the short-batch backward's default (benchmarks/NOTES.md, v21). Two consumers (fifteenth
 session, v30), one CTA per SM at d = 128: (128, 64, 4 stages) 229760 B, (128, 64, 3 stages) 196992 B, consumers
-215-224 of 240; built and compile-checked, not yet run on a GPU, so the backward uses it only with
-``$PACKATTN_GLUON_FUSED_DELTA=1`` (`triton_bwd_gluon.fused_delta_dq`).
+215-224 of 240; GPU-tested and measured in the sixteenth session (v30), the long-batch default since then
+(`triton_bwd_gluon.fused_delta_dq`; ``$PACKATTN_GLUON_FUSED_DELTA=0`` keeps the preprocess).
 
 (`_delta_from_o` is the consumer's part; the producer's is in `varlen_bwd_gluon_dq_ws_producer`.)
 """

@@ -125,9 +125,9 @@ def test_short_batch_fused_delta(monkeypatch, opts):
 @pytest.mark.parametrize("opts", [{"causal": True}, {"causal": "top_left", "window": (100, 0)}, {"chunk_size": 100},
                                   {}], ids=["causal", "top_left_window", "chunk", "full"])
 def test_long_batch_fused_delta_two_consumers(monkeypatch, opts):
-    """With ``$PACKATTN_GLUON_FUSED_DELTA=1`` the two-consumer WS dQ of long batches computes delta (no
-    preprocess): against the reference, and close to the unfused backward, on padded cross batches with
-    queries that see no key, GQA."""
+    """The two-consumer WS dQ of long batches computes delta (no preprocess): against the reference, and close to
+    the unfused backward (``$PACKATTN_GLUON_FUSED_DELTA=0``), on padded cross batches with queries that see no
+    key, GQA."""
     from packattn.backends import triton_bwd_gluon
 
     seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048, 37, 300], [900, 5, 40, 517, 2000, 0, 301],
@@ -135,10 +135,11 @@ def test_long_batch_fused_delta_two_consumers(monkeypatch, opts):
     q, k, v, dout = inputs(seqs, 16, 4)
     plan = triton_varlen.bwd_plan(q, k, v, short_seqs=False)
     assert not triton_bwd_gluon.one_consumer_dq(plan.dq)  # the two-consumer config
-    monkeypatch.setenv(triton_bwd_gluon.ENV_FUSED_DELTA, "1")
+    monkeypatch.delenv(triton_bwd_gluon.ENV_FUSED_DELTA, raising=False)
     assert triton_varlen.fuses_delta(plan, None)
     fused = check_against_reference(q, k, v, dout, seqs, **opts)
-    monkeypatch.delenv(triton_bwd_gluon.ENV_FUSED_DELTA)
+    monkeypatch.setenv(triton_bwd_gluon.ENV_FUSED_DELTA, "0")
+    assert not triton_varlen.fuses_delta(plan, None)
     unfused = forward_backward(q, k, v, dout, seqs, "triton", **opts)
     for name, a, b in zip(("dq", "dk", "dv"), fused[2:], unfused[2:]):
         assert rel_l2(a, b) < 5e-3, name
