@@ -17,11 +17,13 @@ import torch
 from packattn import env
 from packattn.backends import REGISTRY
 from packattn.backends.base import Backend
+from packattn.backends.triton_varlen import SHORT_SEQLEN
 from packattn.mask import Mask
 
 log = logging.getLogger("packattn.dispatch")
 
-# lengths above this are one bucket in the dispatch key (small-seq kernels care about <= 16)
+# longest sequences in the dispatch key: exact up to 16 (the small-seq kernels care), then one bucket up to
+# SHORT_SEQLEN (where FA4 gives way to our kernels' short-batch backward, `Fa4Backend.auto_skip`), one above it
 _LENGTH_BUCKET = 17
 _CACHE_SIZE = 256
 
@@ -40,8 +42,8 @@ class Params:
     pad_between_seqs: bool
     is_self: bool  # q and kv describe the same sequences
     host_lengths: bool  # per-sequence lengths are known on the host
-    max_seqlen_q: int  # bucketed: min(value, 17)
-    max_seqlen_kv: int  # bucketed: min(value, 17)
+    max_seqlen_q: int  # bucketed (`bucket`): exact to 16, 17 up to SHORT_SEQLEN, SHORT_SEQLEN + 1 above
+    max_seqlen_kv: int  # bucketed likewise
     mask: Mask
     return_lse: bool
     deterministic: bool
@@ -49,7 +51,14 @@ class Params:
 
     @staticmethod
     def bucket(length: int) -> int:
-        return min(length, _LENGTH_BUCKET)
+        if length < _LENGTH_BUCKET:
+            return length
+        return _LENGTH_BUCKET if length <= SHORT_SEQLEN else SHORT_SEQLEN + 1
+
+    @property
+    def short_seqs(self) -> bool:
+        """No sequence longer than `triton_varlen.SHORT_SEQLEN` (queries or keys)."""
+        return max(self.max_seqlen_q, self.max_seqlen_kv) <= SHORT_SEQLEN
 
 
 class NoBackendError(ValueError):
@@ -88,9 +97,21 @@ def reasons(params: Params, requested: str = "auto") -> list[tuple[str, str | No
         else:
             why = backend.unavailable() or backend.unsupported(params)
             if why is None and want is None:
-                why = backend.auto_skip(params)
+                why = backend.auto_skip(params) or _deferred(backend, params, disabled)
         out.append((backend.name, why))
     return out
+
+
+def _deferred(backend: Backend, params: Params, disabled: frozenset[str]) -> str | None:
+    """Why auto dispatch passes over ``backend`` for the one it defers to (`Backend.defers_to`), if that one can
+    run the call and is not disabled; None otherwise."""
+    deferral = backend.defers_to(params)
+    if deferral is None or deferral[0] in disabled:
+        return None
+    other = next(b for b in REGISTRY if b.name == deferral[0])
+    if other.unavailable() or other.unsupported(params) or other.auto_skip(params):
+        return None
+    return f"{deferral[1]} (auto dispatch prefers {other.name})"
 
 
 _cache: OrderedDict = OrderedDict()

@@ -208,7 +208,51 @@ def test_cache_is_bounded():
 
 
 def test_params_bucket_and_describe():
-    assert [dispatch.Params.bucket(n) for n in (0, 1, 16, 17, 18, 100000)] == [0, 1, 16, 17, 17, 17]
+    lengths = (0, 1, 16, 17, 18, 512, 513, 100000)
+    assert [dispatch.Params.bucket(n) for n in lengths] == [0, 1, 16, 17, 17, 17, 513, 513]
+    assert params(max_seqlen_q=17, max_seqlen_kv=17).short_seqs and params(max_seqlen_q=1, max_seqlen_kv=5).short_seqs
+    assert not params(max_seqlen_q=513).short_seqs and not params(max_seqlen_kv=513).short_seqs
     assert hash(params()) == hash(params()) and params() == params()
     text = dispatch.describe(params(pad_between_seqs=True, return_lse=True, deterministic=True, dtype=torch.bfloat16))
     assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic"
+
+
+@pytest.fixture
+def hopper_with_fa4(monkeypatch):
+    """FA4 and the triton backend available on a CUDA device of ``capability`` (set ``hopper_with_fa4[0]``)."""
+    from packattn.backends import get
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability[0])
+    monkeypatch.setattr(type(get("fa4")), "unavailable", lambda self: None)
+    monkeypatch.setattr(type(get("triton")), "unavailable", lambda self: None)
+    monkeypatch.setattr(type(get("small_seq")), "unavailable", lambda self: "not in this test")
+    return capability
+
+
+def test_auto_passes_fa4_over_for_short_batches_with_gradients(hopper_with_fa4, monkeypatch):
+    """Auto dispatch gives short batches (<= 512 rows) with gradients at d = 128, MHA, on Hopper to the triton
+    backend (its short-batch backward measured faster than FA4's), with the reason logged; FA4 keeps the rest."""
+    from packattn.backends import get
+    from packattn.backends import triton_varlen
+
+    monkeypatch.setattr(triton_varlen, "device_unsupported", lambda device_type: None)
+    w8 = dict(device_type="cuda", dtype=torch.bfloat16, heads_q=16, heads_kv=16, head_dim=128, head_dim_v=128,
+              max_seqlen_q=dispatch.Params.bucket(512), max_seqlen_kv=dispatch.Params.bucket(512), requires_grad=True)
+    listing = dict(dispatch.reasons(params(**w8)))
+    assert "short sequences" in listing["fa4"] and listing["triton"] is None
+    assert dispatch.select(params(**w8)).name == "triton"
+    assert dispatch.select(params(**w8), "fa4").name == "fa4"  # asked for by name: still runs
+    longer = dict(w8, max_seqlen_q=dispatch.Params.bucket(513), max_seqlen_kv=dispatch.Params.bucket(513))
+    for other in (longer, dict(w8, requires_grad=False), dict(w8, heads_kv=4), dict(w8, head_dim=64, head_dim_v=64)):
+        assert get("fa4").defers_to(params(**other)) is None
+        assert dispatch.select(params(**other)).name == "fa4"
+    hopper_with_fa4[0] = (10, 0)
+    assert get("fa4").defers_to(params(**w8)) is None  # measured on Hopper only
+    hopper_with_fa4[0] = (9, 0)
+    dispatch.clear_cache()
+    monkeypatch.setenv("PACKATTN_DISABLE", "triton")  # FA4 stays in front of the slower anchors
+    assert dispatch.select(params(**w8)).name == "fa4"
+    monkeypatch.setenv("PACKATTN_DISABLE", "")
+    monkeypatch.setattr(triton_varlen, "device_unsupported", lambda device_type: "not this device")
+    assert dispatch.select(params(**w8)).name == "fa4"  # nor when the triton backend cannot run the call

@@ -10,7 +10,8 @@ from packattn.backends.triton_tree import TritonTreeBackend
 from packattn.backends.triton_varlen import TritonVarlenBackend
 
 # FA4 (only when installed) leads where it supports the call: it measured faster than our Triton
-# kernel on every workload it runs (benchmarks/results/2026-11-22). torch_varlen before flex: no
+# kernels on W1-W5 (benchmarks/results/2026-11-25/s16_bench_rounds3_h100.*); short batches with gradients
+# excepted, where auto dispatch passes it over (`Fa4Backend.auto_skip`). torch_varlen before flex: no
 # compile on first use.
 REGISTRY = [
     SmallSeqBackend(),  # first: it accepts only one query over <= 16 keys, the case it is built for

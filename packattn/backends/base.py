@@ -44,6 +44,12 @@ class Backend:
         a slow emulation meant for tests), or None. An explicit request still uses it."""
         return None
 
+    def defers_to(self, params) -> tuple[str, str] | None:
+        """``(name of another backend, why)`` when ``backend="auto"`` should pass over this backend for that
+        one, measured faster on such calls; dispatch does so only where the other can run the call and is
+        not disabled (`dispatch.reasons`). None otherwise."""
+        return None
+
     def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(out, lse)``; ``lse`` float32 ``(heads_q, total_q)`` or None when not asked for."""
         raise NotImplementedError

@@ -38,3 +38,29 @@ def test_fa4_matches_reference(case):
         assert (out[pad_q] == 0).all() and (dq[pad_q] == 0).all()
         assert (dk[pad_kv] == 0).all() and (dv[pad_kv] == 0).all()
         assert torch.isneginf(lse[:, pad_q]).all()
+
+
+def test_auto_defers_short_batches_with_gradients_to_triton(caplog):
+    """With FA4 installed, auto dispatch runs short batches (<= 512 rows) with gradients at d = 128 on the triton
+    backend (`Fa4Backend.defers_to`) and the rest that FA4 supports on FA4."""
+    import logging
+
+    from packattn import attention, dispatch
+
+    def chosen(lengths, requires_grad):
+        seqs = Varlen.from_lengths(lengths, device="cuda")
+        q, k, v, _ = inputs(seqs, 16, 16)
+        dispatch.clear_cache()
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="packattn.dispatch"), torch.set_grad_enabled(requires_grad):
+            attention(q.requires_grad_(requires_grad), k, v, seqs, causal=True)
+        used = [r.getMessage() for r in caplog.records if "using backend" in r.getMessage()]
+        assert len(used) == 1, used
+        return used[0].split("using backend ")[1].split(" ")[0]
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("measured on Hopper only")
+    assert chosen([512] * 8, True) == "triton"
+    assert chosen([300, 1, 77, 512], True) == "triton"
+    assert chosen([512] * 8, False) == "fa4"
+    assert chosen([513, 100], True) == "fa4"
