@@ -23,7 +23,7 @@ from packattn.mask import Mask
 log = logging.getLogger("packattn.dispatch")
 
 # longest sequences in the dispatch key: exact up to 16 (the small-seq kernels care), then one bucket up to
-# SHORT_SEQLEN (where FA4 gives way to our kernels' short-batch backward, `Fa4Backend.auto_skip`), one above it
+# SHORT_SEQLEN (where FA4 gives way to our kernels' short-batch backward, `Fa4Backend.defers_to`), one above it
 _LENGTH_BUCKET = 17
 _CACHE_SIZE = 256
 

@@ -11,7 +11,7 @@ from packattn.backends.triton_varlen import TritonVarlenBackend
 
 # FA4 (only when installed) leads where it supports the call: it measured faster than our Triton
 # kernels on W1-W5 (benchmarks/results/2026-11-25/s16_bench_rounds3_h100.*); short batches with gradients
-# excepted, where auto dispatch passes it over (`Fa4Backend.auto_skip`). torch_varlen before flex: no
+# excepted, where auto dispatch passes it over (`Fa4Backend.defers_to`). torch_varlen before flex: no
 # compile on first use.
 REGISTRY = [
     SmallSeqBackend(),  # first: it accepts only one query over <= 16 keys, the case it is built for
