@@ -17,7 +17,7 @@ import torch
 from packattn import env
 from packattn.backends import REGISTRY
 from packattn.backends.base import Backend
-from packattn.backends.triton_varlen import SHORT_SEQLEN
+from packattn.backends.triton_varlen import SHORT_SEQLEN, short_batch
 from packattn.mask import Mask
 
 log = logging.getLogger("packattn.dispatch")
@@ -57,8 +57,8 @@ class Params:
 
     @property
     def short_seqs(self) -> bool:
-        """No sequence longer than `triton_varlen.SHORT_SEQLEN` (queries or keys)."""
-        return max(self.max_seqlen_q, self.max_seqlen_kv) <= SHORT_SEQLEN
+        """No sequence longer than `triton_varlen.SHORT_SEQLEN` (queries or keys): `triton_varlen.short_batch`."""
+        return short_batch(self.max_seqlen_q, self.max_seqlen_kv)
 
 
 class NoBackendError(ValueError):

@@ -47,6 +47,12 @@ LONG_SEQLEN = 8192
 SHORT_SEQLEN = 512
 
 
+def short_batch(max_seqlen_q: int, max_seqlen_kv: int) -> bool:
+    """No sequence longer than `SHORT_SEQLEN`, queries or keys (also what auto dispatch keys FA4's deferral on,
+    `dispatch.Params.short_seqs`)."""
+    return max(max_seqlen_q, max_seqlen_kv) <= SHORT_SEQLEN
+
+
 # ---------------------------------------------------------------- tile tables (per batch, device ops only)
 def build_tile_table(seqs: Varlen, mask: masks.Mask, by_keys: bool, block: int, step: int) -> torch.Tensor:
     """``int32 (cdiv(total, block) + num_seqs, 6)`` rows ``[seq, start, lo, mid_lo, mid_hi, hi]``.
@@ -535,7 +541,7 @@ class TritonVarlenBackend(TritonBackend):
             q, scale = -q, -scale
         head_dim = q.shape[-1]
         long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
-        short_seqs = max(seqs.max_seqlen_q, seqs.max_seqlen_kv) <= SHORT_SEQLEN
+        short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
         gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
         if gluon:
             fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs, q.device)
