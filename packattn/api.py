@@ -146,14 +146,24 @@ def attention(
         seqs = make(batch, sq, sk, q.device)
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
+    # Under torch.compile the descriptor's per-batch host values (lengths, counts) are symbolic: dispatch reads
+    # them without branching (`Params.traced_buckets`) and backends do not use the host copies of the lengths,
+    # so one graph serves every packing.
+    compiling = torch.compiler.is_compiling()
     if tree is not None:
         kind, pad_between_seqs, is_self, host_lengths = "tree", False, True, True
-        max_seqlen_q = max_seqlen_kv = dispatch.Params.bucket(tree.max_depth)
+        if compiling:
+            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(tree.max_depth, tree.max_depth)
+        else:
+            max_seqlen_q = max_seqlen_kv = dispatch.Params.bucket(tree.max_depth)
     else:
         kind, pad_between_seqs, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
-        host_lengths = seqs.lengths_q is not None
-        max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
-        max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)
+        host_lengths = not compiling and seqs.lengths_q is not None  # (traced, a tuple read is a guard)
+        if compiling:
+            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(seqs.max_seqlen_q, seqs.max_seqlen_kv)
+        else:
+            max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
+            max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)
     return_lse, deterministic = bool(return_lse), bool(deterministic)
     params = dispatch.Params(
         device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[-2], heads_kv=k.shape[-2], head_dim=q.shape[-1],

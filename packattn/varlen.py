@@ -241,6 +241,8 @@ class Varlen:
 
         tq = cu(seqlen_q)
         is_self = seqlen_q == seqlen_kv
+        # host copies of the lengths would make a traced graph depend on the batch size: none while compiling
+        host = not torch.compiler.is_compiling()
         return cls(
             cu_seqlens_q=tq,
             cu_seqlens_kv=tq if is_self else cu(seqlen_kv),
@@ -251,10 +253,10 @@ class Varlen:
             total_q=batch * seqlen_q,
             total_kv=batch * seqlen_kv,
             num_seqs=batch,
-            lengths_q=(seqlen_q,) * batch,
-            lengths_kv=(seqlen_kv,) * batch,
-            host_starts_q=tuple(range(0, batch * seqlen_q, seqlen_q)) if seqlen_q else (0,) * batch,
-            host_starts_kv=tuple(range(0, batch * seqlen_kv, seqlen_kv)) if seqlen_kv else (0,) * batch,
+            lengths_q=(seqlen_q,) * batch if host else None,
+            lengths_kv=(seqlen_kv,) * batch if host else None,
+            host_starts_q=tuple(i * seqlen_q for i in range(batch)) if host else None,
+            host_starts_kv=tuple(i * seqlen_kv for i in range(batch)) if host else None,
             is_self=is_self,
         )
 
@@ -294,7 +296,12 @@ class Varlen:
         return self._on_device[key]
 
     def cached(self, key, build):
-        """Per-batch metadata (row maps, block masks...) built once and reused by every layer."""
+        """Per-batch metadata (row maps, block masks...) built once and reused by every layer.
+
+        While torch.compile traces, ``build()`` is returned without touching the cache: a lookup would
+        guard the graph on this batch's cache and a store would outlive the trace."""
+        if torch.compiler.is_compiling():
+            return build()
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -316,12 +323,21 @@ class Varlen:
     def seqlens_kv(self) -> torch.Tensor:
         return self.cu_seqlens_kv[1:] - self.cu_seqlens_kv[:-1]
 
+    @property
+    def offsets_q(self) -> torch.Tensor:
+        """Physical row where each query sequence starts, then the end of the last slot (N + 1,)."""
+        return self.cu_seqlens_q_padded if self.cu_seqlens_q_padded is not None else self.cu_seqlens_q
+
+    @property
+    def offsets_kv(self) -> torch.Tensor:
+        return self.cu_seqlens_kv_padded if self.cu_seqlens_kv_padded is not None else self.cu_seqlens_kv
+
     def row_map_q(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For each physical query row: (sequence index or -1 for padding, position in its sequence)."""
-        return self.cached("row_map_q", lambda: _row_map(self.starts_q, self.seqlens_q, self.total_q))
+        return self.cached("row_map_q", lambda: _row_map(self.offsets_q, self.cu_seqlens_q, self.total_q))
 
     def row_map_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cached("row_map_kv", lambda: _row_map(self.starts_kv, self.seqlens_kv, self.total_kv))
+        return self.cached("row_map_kv", lambda: _row_map(self.offsets_kv, self.cu_seqlens_kv, self.total_kv))
 
     def padding_rows(self, side: str) -> torch.Tensor | None:
         """Physical rows of ``side`` ("q" or "kv") that belong to no sequence: int64 on this
@@ -348,16 +364,25 @@ class Varlen:
         )
 
 
-def _row_map(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence id (-1 = padding) and position of every physical row, with device ops only."""
-    device = starts.device
-    rows = torch.arange(total, dtype=torch.int64, device=device)
-    starts64 = starts.long()
+def lengths_then_zero(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int64 ``(N + 1,)``: the length of each of the N sequences of ``cu_seqlens``, then a 0.
+
+    It keeps the N + 1 entries of ``cu_seqlens`` (no N-entry slice): under torch.compile a dimension
+    of size 1 is a special case, so a batch of one sequence would otherwise get a graph of its own."""
+    cu = cu_seqlens.long()
+    return (cu.roll(-1) - cu).clamp_min(0)
+
+
+def _row_map(offsets: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence id (-1 = padding) and position of every physical row, with device ops only, from the
+    physical ``offsets`` and the real ``cu_seqlens`` (N + 1 entries each, `lengths_then_zero`)."""
+    rows = torch.arange(total, dtype=torch.int64, device=offsets.device)
+    offsets = offsets.long()
     # sequence whose slot holds each row: last start <= row (empty sequences share a start; take the last)
-    seq = torch.searchsorted(starts64, rows, right=True) - 1
+    seq = torch.searchsorted(offsets, rows, right=True) - 1
     seq_c = seq.clamp_min(0)
-    pos = rows - starts64[seq_c] if starts64.numel() else rows
-    valid = (seq >= 0) & (pos < lengths.long()[seq_c]) if starts64.numel() else torch.zeros_like(rows, dtype=torch.bool)
+    pos = rows - offsets[seq_c]
+    valid = (seq >= 0) & (pos < lengths_then_zero(cu_seqlens)[seq_c])
     seq = torch.where(valid, seq, torch.full_like(seq, -1))
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     return seq, pos

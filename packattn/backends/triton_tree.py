@@ -248,6 +248,11 @@ class TritonTreeBackend(TritonBackend):
         return kernel_limits(params)
 
     def run(self, problem: Problem):
+        if torch.compiler.is_compiling():  # one graph for every tree: tables built when the op runs
+            from packattn.backends.triton_traced import traced_tree_attention
+
+            q, scale = (-problem.q, -problem.scale) if problem.scale < 0 else (problem.q, problem.scale)
+            return traced_tree_attention(q, problem.k, problem.v, problem.seqs, scale, problem.return_lse)
         if problem.seqs.varlen_equivalent is not None:  # no sharing: exactly causal varlen, run as such
             seqs = problem.seqs.varlen_equivalent
             return TritonVarlenBackend().run(Problem(problem.q, problem.k, problem.v, seqs, Mask.make(True),

@@ -539,28 +539,40 @@ class TritonVarlenBackend(TritonBackend):
         scale = problem.scale
         if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)
             q, scale = -q, -scale
-        head_dim = q.shape[-1]
-        long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
-        short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
-        gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
-        if gluon:
-            fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs, q.device)
-        else:
-            fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
-        q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            plan = bwd_plan(q, k, v, short_seqs)
-            dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
-            dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
-        else:
-            dq_tiles = dkdv_tiles = q_tiles[:0]
-        rows_q = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else seqs.cu_seqlens_q
-        rows_kv = seqs.cu_seqlens_kv_padded if seqs.cu_seqlens_kv_padded is not None else seqs.cu_seqlens_kv
-        padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
+        if torch.compiler.is_compiling():  # one graph for every packing: tables built when the op runs
+            from packattn.backends.triton_traced import traced_varlen_attention
+
+            return traced_varlen_attention(q, k, v, seqs, mask, scale, problem.return_lse)
+        need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        tables, options = forward_plan(q, k, v, seqs, mask, need_grad)
+        padded_q, padded_kv = options[4], options[5]
         out, lse = fast_op.call(
-            varlen_fwd, _VarlenFwdEager.apply, q, k, v, [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, rows_q, rows_kv, q_tiles, dq_tiles, dkdv_tiles],
+            varlen_fwd, _VarlenFwdEager.apply, q, k, v, tables,
             seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None, scale,
-            [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
-             gluon, short_seqs],
-        )
+            options)
         return out, (lse if problem.return_lse else None)
+
+
+def forward_plan(q, k, v, seqs: Varlen, mask: masks.Mask, need_grad: bool) -> tuple[list, list]:
+    """``(tables, options)`` of `_varlen_fwd` for this batch (`FWD_TABLES`, `FWD_OPTIONS`): the forward kernel
+    and config its lengths take, its tile tables, and with ``need_grad`` the backward's (`bwd_plan`)."""
+    head_dim = q.shape[-1]
+    long_seqs = seqs.max_seqlen_q >= LONG_SEQLEN
+    short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
+    gluon = seqs.max_seqlen_q >= gluon_min_seqlen() and use_gluon_fwd(q, k, v)
+    if gluon:
+        fwd = triton_fwd_gluon.config_for(head_dim, long_seqs, short_seqs, q.device)
+    else:
+        fwd = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
+    q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
+    if need_grad:
+        plan = bwd_plan(q, k, v, short_seqs)
+        dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
+        dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
+    else:
+        dq_tiles = dkdv_tiles = q_tiles[:0]
+    padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
+    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.offsets_q, seqs.offsets_kv, q_tiles, dq_tiles, dkdv_tiles]
+    options = [mask.left, mask.right, mask.chunk_size or 0, mask.align == "top_left", padded_q, padded_kv, long_seqs,
+               gluon, short_seqs]
+    return tables, options

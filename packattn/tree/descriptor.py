@@ -327,7 +327,10 @@ class Tree:
         return self._on_device[key]
 
     def cached(self, key, build):
-        """Per-batch metadata (row maps, kernel tables...) built once and reused by every layer."""
+        """Per-batch metadata (row maps, kernel tables...) built once and reused by every layer; not
+        cached while torch.compile traces (`Varlen.cached` says why)."""
+        if torch.compiler.is_compiling():
+            return build()
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
