@@ -174,12 +174,36 @@ def test_right_padding_is_honoured(models, spy):
     torch.testing.assert_close(logits[1], _alone(eager, [SEQS[2]]), atol=ATOL, rtol=0)
 
 
-def test_left_padding_raises(models):
+def test_left_padding_is_honoured(models, spy):
+    packed, eager = models
+    ids = torch.tensor([[0, 0, 0] + SEQS[0], SEQS[2], [0] * 7 + SEQS[3]])
+    mask = (ids != 0).long()
+    mask[1] = 1
+    with torch.no_grad():
+        logits = packed(ids, attention_mask=mask).logits
+    # rows of 8: each sequence ends its row; an empty sequence covers the padding in front of the first
+    assert [(d.lengths_q, d.host_starts_q) for d in _descriptors(spy)] == [((0, 5, 8, 1), (0, 3, 8, 23))] * 2
+    torch.testing.assert_close(logits[0, 3:], _alone(eager, [SEQS[0]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], _alone(eager, [SEQS[2]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[2, 7:], _alone(eager, [SEQS[3]]), atol=ATOL, rtol=0)
+
+
+def test_padding_inside_a_row_raises(models, spy):
     packed, _ = models
-    ids = torch.tensor([[0, 0, 5, 17, 3], [1, 2, 3, 4, 5]])
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="right padding"), torch.no_grad():
+    ids = torch.tensor([[5, 17, 0, 3, 9], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"rows \[0\] .*padding_side = 'left'"), torch.no_grad():
         packed(ids, attention_mask=mask)
+    assert spy.call_count == 0
+
+
+def test_right_padded_prompt_with_cache_raises(models):
+    """generate() appends tokens after the padding of a right-padded prompt: refused, naming the fix."""
+    packed, _ = models
+    ids = torch.tensor([[5, 17, 3, 0], [1, 2, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padding_side = 'left'"), torch.no_grad():
+        packed.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def test_dense_4d_mask_raises(models):
@@ -191,12 +215,36 @@ def test_dense_4d_mask_raises(models):
 
 
 def test_unknown_mask_piece_raises():
-    from transformers.masking_utils import and_masks, causal_mask_function
+    from transformers.masking_utils import and_masks, causal_mask_function, or_masks
 
     with pytest.raises(NotImplementedError, match="cannot honour"):
         hf.packattn_mask(1, 4, 4, mask_function=and_masks(causal_mask_function, lambda b, h, q, k: q >= 0))
-    mask = hf.packattn_mask(1, 4, 4)
-    assert (mask.causal, mask.window, mask.fresh, mask.lengths) == (True, None, True, None)
+    with pytest.raises(NotImplementedError, match="cannot honour the transformers mask piece 'or_masks"):
+        hf.packattn_mask(1, 4, 4, mask_function=or_masks(causal_mask_function, causal_mask_function))
+    mask = hf.packattn_mask(2, 4, 4)
+    assert (mask.causal, mask.window, mask.packed, mask.fresh, mask.spans) == (True, None, False, True, None)
+
+
+def test_packed_mask_pieces_are_read():
+    """The pieces transformers adds for packed sequences (the same-sequence mask; from 5.23 also the position
+    remapping around the causal or windowed piece) are recognised, whichever this transformers builds."""
+    from transformers import masking_utils as mu
+
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    same_seq = mu.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 1, 1]]))
+    windowed = mu.sliding_window_causal_mask_function(3)
+    if hasattr(mu, "remap_positions_for_packed_sequence"):
+        windowed = mu.remap_positions_for_packed_sequence(windowed, pos)
+    mask = hf.packattn_mask(1, 5, 5, mask_function=mu.and_masks(windowed, same_seq))
+    assert (mask.causal, mask.window, mask.packed) == (True, 3, True)
+
+
+def test_static_cache_offsets(models):
+    """A static cache: keys past the last query are empty slots, the query offset arrives as a tensor."""
+    mask = hf.packattn_mask(2, 1, 16, q_offset=torch.tensor(5), attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]] * 2))
+    assert (mask.q_shift, mask.kv_used, mask.spans) == (5, 6, ((2, 6), (2, 6)))
+    with pytest.raises(NotImplementedError, match="every query's own key"):
+        hf.packattn_mask(2, 4, 3)
 
 
 def test_gradients_match_eager(models, spy):
