@@ -1,4 +1,4 @@
-"""`packattn info | demo | bench`."""
+"""`packattn info | explain | demo | bench`, and `packattn --version`."""
 
 from __future__ import annotations
 
@@ -35,13 +35,26 @@ def info() -> int:
     for backend in REGISTRY:
         why = backend.unavailable()
         print(f"  {backend.name:<14} {'available' if why is None else 'unavailable: ' + why}")
+    print("\nwhich backend auto picks for a given call, and why: packattn explain --help")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _version() -> str:
+    import packattn
+
+    return f"packattn {packattn.__version__}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from packattn import explain
+
     parser = argparse.ArgumentParser(prog="packattn", description="attention for packed sequences")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="device, versions, and which backends can run here")
+    explain.add_arguments(sub.add_parser(
+        "explain", help="which backend auto picks for a described call, and why the others are passed over",
+        description=explain.__doc__.split("\n\n")[0]))
     demo = sub.add_parser("demo", help="run every available backend on packed batches against the reference, "
                                        "and a GRPO training step packed as a tree vs as varlen")
     demo.add_argument("what", nargs="?", choices=("all", "tree"), default="all",
@@ -75,7 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="measure every row N times (N passes over all rows) and show the median of each time")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        from packattn import explain
+
+        try:
+            return explain.run(args)
+        except ValueError as e:  # a bad description: a usage error, not a traceback
+            parser.error(str(e))
     if args.command == "bench" and args.cp_scaling:
         if not args.plot:
             parser.error("--cp-scaling needs --plot FILE.png")

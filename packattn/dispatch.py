@@ -1,24 +1,33 @@
 """Backend selection: `Params` -> the first capable backend by priority, with a reason for every skip.
 
-Environment overrides (read on every call, part of the cache key):
+Environment (read through `packattn.env` on every call; the overrides are part of the cache key):
 
 * ``PACKATTN_BACKEND=<name>`` forces one backend (an error lists why it cannot run, if it cannot);
-* ``PACKATTN_DISABLE=<name>[,<name>...]`` switches backends off, e.g. a kernel in production.
+* ``PACKATTN_DISABLE=<name>[,<name>...]`` switches backends off, e.g. a kernel in production;
+* ``PACKATTN_LOG=dispatch``: one INFO line on the ``packattn.dispatch`` logger per new decision (the
+  call, the backend, why each backend ahead of it was passed over), printed to stderr when logging is
+  not configured. Decisions are cached per `Params`, so a training loop logs each kind of call once.
+
+An unknown backend name in any of them is a ValueError that lists the known names. The backend
+modules are imported on the first decision (`packattn.backends.registry`), not with this module.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from packattn import env
-from packattn.backends import REGISTRY
-from packattn.backends.base import Backend
-from packattn.backends.triton_varlen import SHORT_SEQLEN, short_batch
+from packattn import backends, env
+from packattn.backends.lengths import SHORT_SEQLEN, short_batch
 from packattn.mask import Mask
+
+if TYPE_CHECKING:
+    from packattn.backends.base import Backend
 
 log = logging.getLogger("packattn.dispatch")
 
@@ -61,6 +70,29 @@ class Params:
         return short_batch(self.max_seqlen_q, self.max_seqlen_kv)
 
 
+def call_params(seqs, *, device_type: str, dtype: torch.dtype, heads_q: int, heads_kv: int, head_dim: int,
+                head_dim_v: int | None = None, mask: Mask, dense: bool = False, return_lse: bool = False,
+                deterministic: bool = False, requires_grad: bool = False) -> Params:
+    """The `Params` of an eager call over the descriptor ``seqs``: a `Varlen` (``dense``: the uniform one of a
+    bshd/sbhd batch) or a `packattn.Tree` (its own mask: ``mask`` is then the causal part of it). For tools
+    that describe a call without its tensors (``packattn explain``, the demo); `packattn.attention` keys its
+    calls the same way."""
+    from packattn.varlen import Varlen
+
+    if isinstance(seqs, Varlen):
+        kind, pad, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
+        host = seqs.lengths_q is not None
+        longest_q, longest_kv = seqs.max_seqlen_q, seqs.max_seqlen_kv
+    else:
+        kind, pad, is_self, host = "tree", False, True, True
+        longest_q = longest_kv = seqs.max_depth
+    return Params(
+        device_type=device_type, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        head_dim_v=head_dim if head_dim_v is None else head_dim_v, kind=kind, pad_between_seqs=pad, is_self=is_self,
+        host_lengths=host, max_seqlen_q=Params.bucket(longest_q), max_seqlen_kv=Params.bucket(longest_kv),
+        mask=mask, return_lse=bool(return_lse), deterministic=bool(deterministic), requires_grad=bool(requires_grad))
+
+
 class NoBackendError(ValueError):
     """No backend can run the call; the message lists each backend's reason."""
 
@@ -78,7 +110,16 @@ def _env() -> tuple[str | None, frozenset[str]]:
 
 
 def _parse_env(backend: str, disable: str) -> tuple[str | None, frozenset[str]]:
-    return backend.strip() or None, frozenset(n.strip() for n in disable.split(",") if n.strip())
+    disabled = frozenset(n.strip() for n in disable.split(",") if n.strip())
+    unknown = disabled and disabled - _names()
+    if unknown:
+        raise ValueError(f"PACKATTN_DISABLE={disable!r} names unknown backend(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(sorted(_names()))}")
+    return backend.strip() or None, disabled
+
+
+def _names() -> set[str]:
+    return {b.name for b in backends.registry()}
 
 
 _env_cache: dict = {}
@@ -89,7 +130,7 @@ def reasons(params: Params, requested: str = "auto") -> list[tuple[str, str | No
     forced, disabled = _env()
     want = forced or (None if requested == "auto" else requested)
     out = []
-    for backend in REGISTRY:
+    for backend in backends.registry():
         if backend.name in disabled:
             why = "disabled by PACKATTN_DISABLE"
         elif want is not None and backend.name != want:
@@ -108,7 +149,7 @@ def _deferred(backend: Backend, params: Params, disabled: frozenset[str]) -> str
     deferral = backend.defers_to(params)
     if deferral is None or deferral[0] in disabled:
         return None
-    other = next(b for b in REGISTRY if b.name == deferral[0])
+    other = backends.get(deferral[0])
     if other.unavailable() or other.unsupported(params) or other.auto_skip(params):
         return None
     return f"{deferral[1]} (auto dispatch prefers {other.name})"
@@ -127,15 +168,12 @@ def select(params: Params, requested: str = "auto") -> Backend:
         if not compiling:  # the cache is not touched while dynamo traces (it cannot replay the mutation)
             _cache.move_to_end(key)
         return hit
-    names = {b.name for b in REGISTRY}
-    for name, source in ((requested, "backend="), (forced, "PACKATTN_BACKEND=")):
-        if name not in (None, "auto") and name not in names:
-            raise ValueError(f"unknown backend {source}{name!r}; known: {', '.join(sorted(names))}")
+    _check_names(requested, forced)
     chosen = None
     listing = reasons(params, requested)
     for name, why in listing:
         if why is None:
-            chosen = next(b for b in REGISTRY if b.name == name)
+            chosen = backends.get(name)
             break
         if not compiling:  # logging would break a torch.compile graph
             log.debug("packattn: skipping backend %s: %s", name, why)
@@ -144,7 +182,8 @@ def select(params: Params, requested: str = "auto") -> Backend:
         raise NoBackendError(f"no packattn backend can run this call ({describe(params)}):\n{lines}")
     if not compiling:
         log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
-    if not compiling:
+        if "dispatch" in env.log_topics():
+            _log_decision(params, requested, chosen.name, listing)
         _cache[key] = chosen
         if len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
@@ -156,10 +195,51 @@ def clear_cache() -> None:
 
 
 def describe(params: Params) -> str:
+    """One line for logs and errors: what dispatch keyed the call on."""
+    head_dims = str(params.head_dim) if params.head_dim_v == params.head_dim else f"{params.head_dim}/{params.head_dim_v}"
     return (
         f"{params.kind} {params.device_type} {str(params.dtype).replace('torch.', '')} "
-        f"heads {params.heads_q}/{params.heads_kv} d={params.head_dim}, {params.mask.describe()}"
+        f"heads {params.heads_q}/{params.heads_kv} d={head_dims}, {params.mask.describe()}"
         + (", padded" if params.pad_between_seqs else "")
         + (", lse" if params.return_lse else "")
         + (", deterministic" if params.deterministic else "")
+        + (", grad" if params.requires_grad else "")
+        + f", longest {_length_class(params.max_seqlen_q)}"
+        + ("" if params.max_seqlen_kv == params.max_seqlen_q else f"/{_length_class(params.max_seqlen_kv)}")
     )
+
+
+def _length_class(bucketed: int) -> str:
+    """A bucketed length (`Params.bucket`) as the range of real lengths it stands for."""
+    if bucketed < _LENGTH_BUCKET:
+        return str(bucketed)
+    return f"{_LENGTH_BUCKET}-{SHORT_SEQLEN}" if bucketed <= SHORT_SEQLEN else f">{SHORT_SEQLEN}"
+
+
+def _log_decision(params: Params, requested: str, chosen: str, listing) -> None:
+    """The ``PACKATTN_LOG=dispatch`` line: logged at INFO on ``packattn.dispatch``; when neither that logger
+    nor the root logger has a handler (logging not configured), a stderr handler is added to it once."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
+    passed = [f"{name}: {why}" for name, why in listing[: [n for n, _ in listing].index(chosen)]]
+    log.info("packattn dispatch: %s (backend=%s) -> %s%s", describe(params), requested, chosen,
+             f" (passed over: {'; '.join(passed)})" if passed else "")
+
+
+def explain(params: Params, requested: str = "auto") -> tuple[str | None, list[tuple[str, str | None]]]:
+    """``(the backend `select` picks, None when none can run the call; every backend's reason)``, computed
+    afresh (the cache is neither read nor filled): what ``packattn explain`` prints."""
+    _check_names(requested, _env()[0])
+    listing = reasons(params, requested)
+    return next((name for name, why in listing if why is None), None), listing
+
+
+def _check_names(requested: str, forced: str | None) -> None:
+    names = _names()
+    for name, source in ((requested, "backend="), (forced, "PACKATTN_BACKEND=")):
+        if name not in (None, "auto") and name not in names:
+            raise ValueError(f"unknown backend {source}{name!r}; known: {', '.join(sorted(names))}")

@@ -13,12 +13,22 @@ updated by every ``os.environ[...] = ...``, ``putenv`` through ``os.environ``, a
 from __future__ import annotations
 
 import os
+import sys
 
 _DATA = getattr(os.environ, "_data", None)
 _ENCODE_KEY = getattr(os.environ, "encodekey", None)
 _DECODE_VALUE = getattr(os.environ, "decodevalue", None)
 _FAST = isinstance(_DATA, dict) and callable(_ENCODE_KEY) and callable(_DECODE_VALUE)
-_keys: dict[str, object] = {}  # name -> encoded key
+# The names packattn reads, encoded up front: the cache of encoded keys then does not change when torch.compile
+# traces the first call (dynamo guards on that dict's contents: a key added while tracing would recompile the
+# next call). A name missing here still works; it is cached on its first read outside tracing.
+NAMES = (
+    "PACKATTN_BACKEND", "PACKATTN_DISABLE", "PACKATTN_LOG", "PACKATTN_CP_OVERLAP_GROUPS", "PACKATTN_TRITON_FWD",
+    "PACKATTN_TRITON_BWD", "PACKATTN_FAST_LAUNCH", "PACKATTN_GLUON_DKDV_CONFIG", "PACKATTN_GLUON_DQ_CONFIG",
+    "PACKATTN_GLUON_FUSED_DELTA", "PACKATTN_GLUON_FWD_CONFIG", "PACKATTN_GLUON_HEAD_SECTION",
+    "PACKATTN_GLUON_MIN_SEQLEN", "PACKATTN_GLUON_TREE_FWD_CONFIG", "TRITON_INTERPRET",
+)
+_keys: dict[str, object] = {name: _ENCODE_KEY(name) for name in NAMES} if _FAST else {}  # name -> encoded key
 
 
 def get(name: str, default: str | None = None) -> str | None:
@@ -27,6 +37,35 @@ def get(name: str, default: str | None = None) -> str | None:
         return os.environ.get(name, default)
     key = _keys.get(name)
     if key is None:
-        key = _keys[name] = _ENCODE_KEY(name)
+        key = _ENCODE_KEY(name)
+        if not _tracing():
+            _keys[name] = key
     raw = _DATA.get(key)
     return default if raw is None else _DECODE_VALUE(raw)
+
+
+def _tracing() -> bool:
+    """torch.compile is tracing (checked without importing torch: packattn.jax reads this module too)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+LOG_TOPICS = ("dispatch",)  # what PACKATTN_LOG can turn on
+_log_topics: dict[str, frozenset[str]] = {}  # raw value -> parsed
+
+
+def log_topics() -> frozenset[str]:
+    """The topics ``PACKATTN_LOG`` turns on: comma-separated names from `LOG_TOPICS` (unset, empty or "0":
+    none). Read on every call, parsed once per distinct value; an unknown name is a ValueError listing them."""
+    raw = get("PACKATTN_LOG", "") or ""
+    topics = _log_topics.get(raw)
+    if topics is None:
+        topics = frozenset(t.strip() for t in raw.split(",") if t.strip() and t.strip() != "0")
+        unknown = topics - set(LOG_TOPICS)
+        if unknown:
+            raise ValueError(f"PACKATTN_LOG={raw!r} names unknown topic(s) {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(LOG_TOPICS)}")
+        if len(_log_topics) >= 64:
+            _log_topics.clear()
+        _log_topics[raw] = topics
+    return topics

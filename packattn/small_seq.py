@@ -59,13 +59,22 @@ def small_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
 
 
 def small_seq_reference(q, k, v, kv_lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain PyTorch: float32 scores (float64 for float64 inputs), keys past each length masked."""
+    """Plain PyTorch: float32 scores (float64 for float64 inputs), keys past each length masked.
+
+    K/V slots past an item's length are never read into the result: whatever they hold (NaN, inf,
+    stale data), the output and the gradients of q, k, v are those of the valid keys alone, and the
+    slots' gradients are zeros."""
     batch, heads_q, head_dim = q.shape
     seqlen_kv, heads_kv = k.shape[1], k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    slots = torch.arange(seqlen_kv, device=q.device)[None, :] < kv_lengths[:, None]  # (B, S)
+    # zeros in the unused slots before any product: masking the scores alone still multiplies the
+    # probabilities (0) by NaN values in v, and q's gradient by NaN keys
+    k = torch.where(slots[:, :, None, None], k, k.new_zeros(()))
+    v = torch.where(slots[:, :, None, None], v, v.new_zeros(()))
     qg = q.to(acc).view(batch, heads_kv, heads_q // heads_kv, head_dim)
     scores = torch.einsum("bhgd,bshd->bhgs", qg, k.to(acc)) * scale
-    valid = (torch.arange(seqlen_kv, device=q.device)[None, :] < kv_lengths[:, None])[:, None, None, :]
+    valid = slots[:, None, None, :]
     scores = scores.masked_fill(~valid, float("-inf"))
     top = scores.amax(-1, keepdim=True) if seqlen_kv else scores.new_zeros(*scores.shape[:-1], 1)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()

@@ -16,6 +16,7 @@ CPU_BACKENDS = {"sdpa", "reference"}
 def clean_env(monkeypatch):
     monkeypatch.delenv("PACKATTN_BACKEND", raising=False)
     monkeypatch.delenv("PACKATTN_DISABLE", raising=False)
+    monkeypatch.delenv("PACKATTN_LOG", raising=False)
     dispatch.clear_cache()
     yield monkeypatch
     dispatch.clear_cache()
@@ -163,7 +164,8 @@ def test_nothing_fits_lists_every_backend(clean_env):
         dispatch.select(params())
     assert isinstance(info.value, ValueError)
     message = str(info.value)
-    assert message.startswith("no packattn backend can run this call (varlen cpu float32 heads 4/2 d=32, causal)")
+    assert message.startswith("no packattn backend can run this call (varlen cpu float32 heads 4/2 d=32, causal, "
+                              "longest 17-512)")
     reasons = dict(dispatch.reasons(params()))
     for backend in REGISTRY:
         assert f"  {backend.name}: {reasons[backend.name]}" in message
@@ -214,7 +216,9 @@ def test_params_bucket_and_describe():
     assert not params(max_seqlen_q=513).short_seqs and not params(max_seqlen_kv=513).short_seqs
     assert hash(params()) == hash(params()) and params() == params()
     text = dispatch.describe(params(pad_between_seqs=True, return_lse=True, deterministic=True, dtype=torch.bfloat16))
-    assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic"
+    assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic, longest 17-512"
+    text = dispatch.describe(params(max_seqlen_q=1, max_seqlen_kv=513, head_dim_v=64, requires_grad=True))
+    assert text == "varlen cpu float32 heads 4/2 d=32/64, causal, grad, longest 1/>512"
 
 
 @pytest.fixture
@@ -256,3 +260,75 @@ def test_auto_passes_fa4_over_for_short_batches_with_gradients(hopper_with_fa4, 
     monkeypatch.setenv("PACKATTN_DISABLE", "")
     monkeypatch.setattr(triton_varlen, "device_unsupported", lambda device_type: "not this device")
     assert dispatch.select(params(**w8)).name == "fa4"  # nor when the triton backend cannot run the call
+
+
+# ------------------------------------------------------------------------------------ names in the environment
+def test_packattn_disable_rejects_an_unknown_name(clean_env):
+    """A misspelt name is an error listing the known ones (it was ignored, leaving the backend on)."""
+    clean_env.setenv("PACKATTN_DISABLE", "sdpa,refernce")
+    with pytest.raises(ValueError, match=r"PACKATTN_DISABLE='sdpa,refernce' names unknown backend\(s\) refernce; "
+                                         r"known: .*reference.*sdpa"):
+        dispatch.select(params())
+    q, k, v, seqs = inputs()
+    with pytest.raises(ValueError, match="unknown backend"):
+        attention(q, k, v, seqs)
+    clean_env.setenv("PACKATTN_DISABLE", "sdpa")
+    assert dispatch.select(params()).name == "reference"
+
+
+def test_packattn_log_rejects_an_unknown_topic(clean_env):
+    clean_env.setenv("PACKATTN_LOG", "dispach")
+    with pytest.raises(ValueError, match="PACKATTN_LOG='dispach' names unknown topic.*known: dispatch"):
+        dispatch.select(params())
+
+
+# ------------------------------------------------------------------------------------ PACKATTN_LOG=dispatch
+@pytest.fixture
+def restore_logger():
+    logger = logging.getLogger("packattn.dispatch")
+    level, handlers = logger.level, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def test_packattn_log_dispatch_logs_each_new_decision_once(clean_env, caplog, restore_logger):
+    clean_env.setenv("PACKATTN_LOG", "dispatch")
+    q, k, v, seqs = inputs()
+    with caplog.at_level(logging.INFO, logger="packattn.dispatch"):
+        for _ in range(3):
+            attention(q, k, v, seqs, causal=True)  # one decision, cached
+        attention(q, k, v, seqs, causal=True, return_lse=True)  # a new one
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "packattn.dispatch"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("packattn dispatch: varlen cpu float32 heads 4/2 d=32, causal, longest 9 "
+                               "(backend=auto) -> sdpa (passed over: small_seq: ")
+    assert "torch_varlen: needs CUDA" in lines[0]
+    assert lines[1].endswith("-> reference (passed over: " + lines[1].split("(passed over: ")[1])
+    assert "sdpa: SDPA does not return the log-sum-exp" in lines[1]
+    clean_env.delenv("PACKATTN_LOG")
+    caplog.clear()
+    dispatch.clear_cache()
+    attention(q, k, v, seqs, causal=True)
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]  # off without the variable
+
+
+def test_packattn_log_dispatch_prints_without_logging_setup(tmp_path):
+    """In a fresh interpreter with no logging configured, the variable alone prints the lines on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch, packattn\n"
+              "seqs = packattn.Varlen.from_lengths([3, 5])\n"
+              "q = torch.randn(8, 2, 16)\n"
+              "for _ in range(4): packattn.attention(q, q, q, seqs, causal=True)\n"
+              "packattn.attention(q, q, q, seqs)\n")
+    env = {**os.environ, "PACKATTN_LOG": "dispatch"}
+    env.pop("PACKATTN_BACKEND", None)
+    env.pop("PACKATTN_DISABLE", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("packattn dispatch:")]
+    assert len(lines) == 2, done.stderr
+    assert ", causal, longest 5 (backend=auto) -> sdpa" in lines[0] and ", full, longest 5 (backend=auto)" in lines[1]

@@ -218,6 +218,31 @@ def test_dense_api(backend, seqlen_kv):
         assert_zero_rows(g, unused.to(g.device))
 
 
+@pytest.mark.parametrize("backend", ["reference", "small_seq"])
+def test_dense_api_ignores_what_unused_slots_hold(backend):
+    """K/V slots past each length holding NaN / inf change nothing: an item with no key gives zeros, the
+    others the result of their valid keys; gradients are finite, and zeros in the unused slots."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [0, 3, 16, 1]
+    q = torch.randn(4, 4, 64, generator=gen).to(DEVICE)
+    k, v = (torch.randn(4, 16, 2, 64, generator=gen).to(DEVICE) for _ in range(2))
+    unused = (torch.arange(16)[None, :] >= torch.tensor(lengths)[:, None]).to(DEVICE)
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf")], device=DEVICE).repeat(4 * 16 * 2 * 64 // 3 + 1)
+    garbage = garbage[: 4 * 16 * 2 * 64].view(4, 16, 2, 64)
+    dirty = [torch.where(unused[:, :, None, None], garbage, x) for x in (k, v)]
+    leaves = [x.clone().requires_grad_() for x in (q, *dirty)]
+    out = small_seq_attention(*leaves, lengths, backend=backend)
+    assert torch.isfinite(out).all()
+    assert (out[0] == 0).all()  # no key: zeros, not NaN
+    clean = small_seq_attention(q, k, v, lengths, backend=backend)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    torch.testing.assert_close(out.double(), dense_brute(q, k, v, lengths, 0.125), atol=2e-5, rtol=0)
+    grads = torch.autograd.grad(out, leaves, torch.randn(out.shape, generator=gen).to(DEVICE))
+    assert all(torch.isfinite(g).all() for g in grads)
+    for g in grads[1:]:
+        assert_zero_rows(g, unused)
+
+
 def test_dense_api_auto_and_lists():
     q = torch.randn(2, 2, 32, device=DEVICE)
     k = torch.randn(2, 4, 1, 32, device=DEVICE)

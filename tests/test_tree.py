@@ -354,6 +354,16 @@ def test_sequence_logprobs_validation():
         sequence_logprobs(torch.zeros(3, 4), tree, torch.zeros(3))
 
 
+def test_sequence_logprobs_names_a_token_id_outside_the_vocab():
+    """A ValueError naming the id, not a raw IndexError (or a device-side assert on a GPU)."""
+    tree = Tree.from_sequences([[0, 1], [0, 2]])  # packed tokens 0 1 2
+    with pytest.raises(ValueError, match=r"tokens\[2\] = 2 is not a token id of logits with vocab 2"):
+        sequence_logprobs(torch.zeros(3, 2), tree)
+    with pytest.raises(ValueError, match=r"tokens\[1\] = -1 is not a token id of logits with vocab 4"):
+        sequence_logprobs(torch.zeros(3, 4), tree, torch.tensor([0, -1, 1]))
+    assert sequence_logprobs(torch.zeros(3, 3), tree).shape == (4,)  # the largest id, 2, fits a vocab of 3
+
+
 def test_cache_to_and_exports():
     tree = Tree.from_sequences([[1, 2], [1, 3]])
     assert packattn.Tree is Tree and packattn.tree.sequence_logprobs is sequence_logprobs

@@ -17,13 +17,6 @@ from packattn.backends.base import Backend, Problem, empty_rows_lse, zero_paddin
 from packattn.tree import blocks as tree_blocks
 from packattn.varlen import Varlen
 
-try:
-    from torch.nn.attention import flex_attention as _flex
-
-    _IMPORT_ERROR = None
-except ImportError as e:  # pragma: no cover - old torch
-    _flex, _IMPORT_ERROR = None, e
-
 BLOCK_SIZE = 128
 _BIG = 2**30
 _compiled = None
@@ -41,6 +34,8 @@ def _compiled_flex():
     recompile limit (under an outer torch.compile: the plain function, the outer compile owns it)."""
     global _compiled
     if _compiled is None:
+        from torch.nn.attention import flex_attention as _flex
+
         compiled = torch.compile(_flex.flex_attention, dynamic=False)
 
         def run(*args, **kwargs):
@@ -58,10 +53,12 @@ class FlexBackend(Backend):
     name = "flex"
 
     def unavailable(self) -> str | None:
-        if _flex is None:
-            return f"torch {torch.__version__} has no FlexAttention ({_IMPORT_ERROR})"
         if not torch.cuda.is_available():
             return "needs CUDA (FlexAttention on CPU evaluates masks densely)"
+        try:  # imported where used: it costs about half a second
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError as e:  # pragma: no cover - old torch
+            return f"torch {torch.__version__} has no FlexAttention ({e})"
         return None
 
     def unsupported(self, params) -> str | None:
@@ -76,6 +73,8 @@ class FlexBackend(Backend):
         return None
 
     def run(self, problem: Problem):
+        from torch.nn.attention import flex_attention as _flex
+
         seqs = problem.seqs
         if isinstance(seqs, Varlen):
             block_mask = seqs.cached(("flex_block_mask", problem.mask, BLOCK_SIZE),
@@ -129,6 +128,8 @@ def _block_lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def build_tree_block_mask(tree, block: int = BLOCK_SIZE):
     """BlockMask of a `packattn.Tree` (`packattn.tree.blocks`): key ``s`` is visible to queries
     ``s <= t < key_end[s]``."""
+    from torch.nn.attention import flex_attention as _flex
+
     total = tree.total
     key_end = tree.row_subtree_end().to(torch.int32)
     kinds = tree_blocks.block_kinds(key_end, total, block, block)
@@ -144,6 +145,8 @@ def build_tree_block_mask(tree, block: int = BLOCK_SIZE):
 
 
 def build_block_mask(seqs: Varlen, mask: masks.Mask, block: int = BLOCK_SIZE):
+    from torch.nn.attention import flex_attention as _flex
+
     lo, hi = row_key_intervals(seqs, mask)
     tq, tk = seqs.total_q, seqs.total_kv
     nq, nk = -(-tq // block), -(-tk // block)

@@ -56,7 +56,11 @@ def reference_attention(problem: Problem, score_budget: int = SCORE_BUDGET):
     q, k, v, seqs, mask = problem.q, problem.k, problem.v, problem.seqs, problem.mask
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     total_q, Hq, Dv = q.shape[0], q.shape[1], v.shape[-1]
-    N, Lq, Lk = seqs.num_seqs, seqs.max_seqlen_q, seqs.max_seqlen_kv
+    # padded lengths from the real lengths, not the declared maxima (which may be far larger: 10 tokens
+    # declared as max_seqlen 16384 would otherwise cost 16384^2 scores per head)
+    N = seqs.num_seqs
+    Lq = _longest(seqs.lengths_q, seqs.max_seqlen_q, total_q)
+    Lk = _longest(seqs.lengths_kv, seqs.max_seqlen_kv, k.shape[0])
     if N == 0 or Lq == 0 or Lk == 0 or total_q == 0:
         # nothing is visible anywhere; keep the result attached to the graph (zero gradients)
         tie = (q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()).to(q.dtype)
@@ -105,6 +109,12 @@ def reference_attention(problem: Problem, score_budget: int = SCORE_BUDGET):
         lse = padded_lse[seq_c, :, pos_of_row].t()
         lse = torch.where(valid[None, :], lse, lse.new_full((), float("-inf"))).float()
     return out, lse
+
+
+def _longest(lengths: tuple[int, ...] | None, declared: int, rows: int) -> int:
+    """The longest sequence: from the host lengths when the descriptor has them, else the declared maximum
+    capped by the rows there are (no host sync either way)."""
+    return max(lengths, default=0) if lengths is not None else min(declared, rows)
 
 
 def _tree_chunk(q, k, v, key_end, t0: int, scale: float, compute_dtype):

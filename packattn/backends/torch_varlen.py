@@ -8,24 +8,32 @@ import torch
 
 from packattn.backends.base import Backend, Problem, empty_rows_lse, flash_kernel_unsupported
 
-try:
-    from torch.nn.attention import varlen as _varlen
+_varlen = _VARLEN_ATTN = _IMPORT_ERROR = None
+_SIGNATURE: dict = {}
 
-    _VARLEN_ATTN = _varlen.varlen_attn
-    _SIGNATURE = inspect.signature(_VARLEN_ATTN).parameters
-    _IMPORT_ERROR = None
-except (ImportError, AttributeError) as e:  # torch without varlen_attn
-    _VARLEN_ATTN, _SIGNATURE, _IMPORT_ERROR = None, {}, e
+
+def _load():
+    """Import torch's varlen_attn on first use (it pulls in torch._dynamo: about a second)."""
+    global _varlen, _VARLEN_ATTN, _SIGNATURE, _IMPORT_ERROR
+    if _VARLEN_ATTN is None and _IMPORT_ERROR is None:
+        try:
+            from torch.nn.attention import varlen as _varlen
+
+            _VARLEN_ATTN = _varlen.varlen_attn
+            _SIGNATURE = inspect.signature(_VARLEN_ATTN).parameters
+        except (ImportError, AttributeError) as e:  # torch without varlen_attn
+            _IMPORT_ERROR = e
+    return _VARLEN_ATTN
 
 
 class TorchVarlenBackend(Backend):
     name = "torch_varlen"
 
     def unavailable(self) -> str | None:
-        if _VARLEN_ATTN is None:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({_IMPORT_ERROR})"
         if not torch.cuda.is_available():
             return "needs CUDA"
+        if _load() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({_IMPORT_ERROR})"
         return None
 
     def unsupported(self, params) -> str | None:

@@ -48,7 +48,9 @@ def sequence_logprobs(logits: torch.Tensor, tree: Tree, tokens: torch.Tensor | N
 
     ``logits`` (total, vocab) are over the packed rows; ``tokens`` (total,) default to ``tree.tokens``.
     The last row of a node predicts the first token of each of its children. Computed in float32
-    (float64 stays float64); gradients of shared rows are summed.
+    (float64 stays float64); gradients of shared rows are summed. A token id outside ``[0, vocab)`` is a
+    ValueError naming it (checked on the host: for tokens on a GPU that is one device-to-host copy of their
+    range per call, once per tree for ``tree.tokens``).
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
@@ -61,6 +63,7 @@ def sequence_logprobs(logits: torch.Tensor, tree: Tree, tokens: torch.Tensor | N
         raise TypeError(f"tokens must be an integer tensor, got {getattr(tokens, 'dtype', type(tokens))}")
     if tokens.shape != (tree.total,):
         raise ValueError(f"tokens must have shape ({tree.total},), got {tuple(tokens.shape)}")
+    _check_token_ids(tokens, tree, logits.shape[1])
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     tree = tree.to(logits.device)
     prev, first = _rows(tree)
@@ -68,3 +71,18 @@ def sequence_logprobs(logits: torch.Tensor, tree: Tree, tokens: torch.Tensor | N
     lse = _RowLogsumexp.apply(logits, dtype)
     logp = logits[prev, target].to(dtype) - lse[prev]
     return torch.where(first, logp.new_zeros(()), logp)
+
+
+def _check_token_ids(tokens: torch.Tensor, tree: Tree, vocab: int) -> None:
+    """ValueError naming the first token id outside ``[0, vocab)`` (an index error, or a device-side assert
+    on a GPU, otherwise)."""
+    if tokens.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if tokens is tree.tokens:  # the tree's own tokens: their range is read once per tree
+        low, high = tree.cached("token_id_range", lambda: tuple(int(x) for x in torch.aminmax(tokens)))
+    else:
+        low, high = (int(x) for x in torch.aminmax(tokens))
+    if low < 0 or high >= vocab:
+        bad = int(((tokens < 0) | (tokens >= vocab)).nonzero()[0])
+        raise ValueError(f"tokens[{bad}] = {int(tokens[bad])} is not a token id of logits with vocab {vocab} "
+                         f"(ids must be in [0, {vocab}))")
