@@ -1,5 +1,8 @@
-# Sourced by the scripts here: make (once) and enter .venv with packattn and its test deps.
-# CPU machines get the CPU torch wheel (torch==2.13.0); triton is pinned to what we test against.
+# Sourced by the scripts here: make (once) and enter .venv with packattn (editable), its test deps and the
+# optional integrations whose tests run too (extras hf, jax, bench), each resolved within pyproject.toml's ranges.
+# Where torch is not importable yet: torch==2.13.0 (on CPU machines of this project's kind pip finds the CPU
+# build among the machine's local wheels) and triton==3.6.0 (the release our Hopper Gluon kernels build on).
+# Packages already installed and in range are kept. CI tests the ranges' ends in venvs of its own (.ci/run).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -10,8 +13,4 @@ fi
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -c "import triton" 2>/dev/null || python -m pip install -q "triton==3.6.0"
-python -m pip install -q -e ".[test]"
-# optional integrations whose tests run in CI too (CPU builds)
-python -c "import jax" 2>/dev/null || python -m pip install -q "jax==0.10.2" "jaxlib==0.10.2"
-python -c "import transformers" 2>/dev/null || python -m pip install -q "transformers==5.18.0"
-python -c "import matplotlib" 2>/dev/null || python -m pip install -q "matplotlib==3.11.2"  # the bench plots (tests/test_cli.py)
+python -m pip install -q -e ".[test,hf,jax,bench]"

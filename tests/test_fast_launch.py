@@ -99,6 +99,7 @@ def test_launcher_arguments_follow_the_signature():
 
 
 def test_interpreter_and_switch_disable_fast_launches(monkeypatch):
+    monkeypatch.setattr(fast_launch, "_RELEASE_OFF", None)  # (a checked Triton release: tests/test_packaging.py)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not fast_launch.enabled()
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -19,7 +19,9 @@ mean equal Triton specialisations, on the argument kinds our launchers pass):
 A miss launches through ``kernel[grid]`` (compiling if needed) and stores the compiled kernel; a hit
 calls the compiled kernel's launcher directly with the arguments in signature order. Not used under
 Triton's interpreter, while a launch hook is set (profilers: the hook needs Triton's launch metadata),
-or with ``PACKATTN_FAST_LAUNCH=0``; anything unusual (an argument kind not listed) goes the slow way.
+with ``PACKATTN_FAST_LAUNCH=0``, or on a Triton release it was not checked on
+(`triton_base.FAST_LAUNCH_TRITON`; the reason is logged once); anything unusual (an argument kind not
+listed) goes the slow way.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from __future__ import annotations
 import torch
 
 from packattn import env
+from packattn.backends import triton_base
 
 _INT32 = (-(2**31), 2**31 - 1)
 _MISSING = object()
 _caches: dict = {}  # kernel -> {key: (launcher, function, packed_metadata, tail)}
 _CACHE_SIZE = 256  # per kernel; cleared when full (a process sees a handful of variants per kernel)
+_RELEASE_OFF = triton_base.release_unsupported("fast launches", triton_base.FAST_LAUNCH_TRITON,
+                                              triton_base.triton_version(), "kernels launch through kernel[grid]")
 
 
 class _Unkeyable(Exception):
@@ -58,6 +63,9 @@ def arg_key(x):
 def enabled() -> bool:
     """Fast launches are possible now: CUDA Triton (not the interpreter), no launch hook, not switched off."""
     if env.get("PACKATTN_FAST_LAUNCH") == "0" or env.get("TRITON_INTERPRET") == "1":
+        return False
+    if _RELEASE_OFF is not None:
+        triton_base.log_once(_RELEASE_OFF)
         return False
     from triton import knobs
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from packattn import env
-from packattn.backends import fast_launch
+from packattn.backends import fast_launch, triton_base
 from packattn.backends.triton_base import cuda_index
 from packattn.backends.triton_launch import _mask_constexprs
 
@@ -207,9 +207,18 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
+_GLUON_OFF = triton_base.gluon_unsupported()  # (the installed Triton cannot build the kernels: why)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    """Device ``index``'s compute capability for the Gluon tests (which need 9.x): (0, 0) where the installed
+    Triton cannot build our Gluon kernels (`triton_base.gluon_unsupported`, logged), so every Gluon path says no."""
+    cap = torch.cuda.get_device_capability(index)
+    if cap[0] == 9 and _GLUON_OFF is not None:
+        triton_base.log_once(_GLUON_OFF)
+        return (0, 0)
+    return cap
 
 
 def _tma_compatible(x: torch.Tensor) -> bool:

@@ -1,0 +1,71 @@
+"""CI's Gluon gate check: compile our Hopper Gluon kernels for sm_90a on the CPU with the installed Triton
+and hold the result against `packattn.backends.triton_base.gluon_unsupported` (whether packattn runs them
+on this Triton).
+
+* Gluon on for this Triton: the forward (d 64 / 128, causal and no mask), the backward dK/dV and dQ and the
+  tree forward (d 128, causal) must compile cleanly (the check scripts' own criteria); exit 1 otherwise.
+* Gluon off: one forward variant is compiled to confirm the kernels do not build here (exit 0 either way;
+  a clean compile prints a note that the release could be added to ``GLUON_TRITON`` after a GPU run).
+
+    python scripts/ci_gluon_check.py          # one summary line last: "gluon: ..."
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from packattn.backends import triton_base  # noqa: E402
+
+FULL = [
+    ["check_gluon_compile.py", "--head-dims", "64", "128", "--masks", "R", "", "--jobs", "2"],
+    ["check_gluon_bwd_compile.py", "--head-dims", "128", "--masks", "R", "--dtypes", "bf16"],
+    ["check_gluon_tree_compile.py", "--head-dims", "128", "--dtypes", "bf16"],
+]
+PROBE = [["check_gluon_compile.py", "--head-dims", "128", "--masks", "R", "--jobs", "1"]]
+
+
+def run_checks(checks: list[list[str]]) -> list[str]:
+    """Run each check script (its output shown as it goes); the ones that failed, as command lines."""
+    failed = []
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    for check in checks:
+        command = [sys.executable, os.path.join(ROOT, "scripts", check[0]), *check[1:]]
+        print("+", " ".join(repr(a) if a == "" else a for a in command[1:]), flush=True)
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # nanobind's leak report at interpreter exit is noise here
+        print("\n".join(line for line in done.stdout.splitlines() if "leaked" not in line and "nanobind" not in line))
+        if done.returncode != 0:
+            failed.append(" ".join(check))
+    return failed
+
+
+def main() -> int:
+    version = triton_base.triton_version()
+    if version is None:
+        print("gluon: FAILED: triton is not installed")
+        return 1
+    off = triton_base.gluon_unsupported()
+    if off is None:
+        failed = run_checks(FULL)
+        if failed:
+            print(f"gluon: FAILED: Gluon kernels are on for triton {version} but do not compile: {'; '.join(failed)}")
+            return 1
+        print(f"gluon: passed: kernels on for triton {version}, sm_90a compile check clean ({len(FULL)} scripts)")
+        return 0
+    failed = run_checks(PROBE)
+    if failed:
+        print(f"gluon: passed: kernels off for triton {version} (GLUON_TRITON {triton_base.GLUON_TRITON}), "
+              "and they do not compile there")
+    else:
+        print(f"gluon: passed: kernels off for triton {version}; note: they compile there, add it to GLUON_TRITON "
+              "after a GPU run")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
