@@ -77,11 +77,13 @@ def _expected_windows(name, forwards):
     return _configs()[name][2] * forwards
 
 
-def _checkpointing(model, on: bool):
+def _checkpointing(model, on: bool, reentrant: bool = False):
     """Gradient (activation) checkpointing of every decoder layer on or off, by this transformers' name."""
     if on:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()
@@ -116,13 +118,13 @@ def _packed_batch(mode, sequences):
     return dict(batch)
 
 
-@pytest.mark.parametrize("mode,checkpointing", [("collator_position_ids", False), ("collator_flash_kwargs", True),
-                                                ("descriptor", True)])
+@pytest.mark.parametrize("mode,checkpointing", [("collator_position_ids", None), ("collator_flash_kwargs", "plain"),
+                                                ("descriptor", "reentrant")])
 @pytest.mark.parametrize("name", MODELS)
 def test_packed_training(name, mode, checkpointing, spy):
     packed, eager = _pair(name)
     packed.train(), eager.train()
-    _checkpointing(packed, checkpointing)
+    _checkpointing(packed, checkpointing is not None, reentrant=checkpointing == "reentrant")
     try:
         weights = torch.randn(sum(map(len, SEQS)), COMMON["vocab_size"], generator=torch.Generator().manual_seed(3))
         packed.zero_grad()
@@ -131,10 +133,10 @@ def test_packed_training(name, mode, checkpointing, spy):
     finally:
         _checkpointing(packed, False)
     calls = spy.call_args_list
-    assert len(calls) == LAYERS * (2 if checkpointing else 1)  # checkpointing runs each layer's forward twice
+    assert len(calls) == LAYERS * (1 if checkpointing is None else 2)  # checkpointing runs each layer's forward twice
     assert all(c.args[3].lengths_q == tuple(map(len, SEQS)) for c in calls)
     windows = _expected_windows(name, 1)
-    assert _windows(spy) == windows + windows[::-1] if checkpointing else windows  # the backward recomputes in reverse
+    assert _windows(spy) == (windows if checkpointing is None else windows + windows[::-1])  # recomputed in reverse
     want = _eager_alone(eager, SEQS, weights)
     torch.testing.assert_close(logits.detach(), want, atol=ATOL, rtol=0)
     for (param_name, p), q in zip(packed.named_parameters(), eager.parameters()):
@@ -154,6 +156,18 @@ def _generate(model, ids, mask=None, **kwargs):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # new tokens (b, n), logits (b, n, vocab)
 
 
+_references = {}
+
+
+def _eager_alone_generation(name, prompt):
+    """(new tokens, logits) of ``prompt`` generated alone by the eager model, cached per module."""
+    if (name, tuple(prompt)) not in _references:
+        with torch.no_grad():
+            tokens, logits = _generate(_pair(name)[1].eval(), torch.tensor([prompt]))
+        _references[name, tuple(prompt)] = tokens[0], logits[0]
+    return _references[name, tuple(prompt)]
+
+
 def _left_padded(prompts):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -164,29 +178,27 @@ def _left_padded(prompts):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", MODELS)
 def test_generate_left_padded_batch(name, cache, spy):
-    packed, eager = _pair(name)
-    packed.eval(), eager.eval()
+    packed, _ = _pair(name)
+    packed.eval()
     kwargs = {} if cache == "dynamic" else dict(cache_implementation="static")
     ids, mask = _left_padded(PROMPTS)
     with torch.no_grad():
         tokens, logits = _generate(packed, ids, mask, **kwargs)
-        assert _windows(spy) == _expected_windows(name, NEW_TOKENS)  # prefill + NEW_TOKENS - 1 decoding steps
-        for row, prompt in enumerate(PROMPTS):
-            want_tokens, want_logits = _generate(eager, torch.tensor([prompt]))
-            torch.testing.assert_close(logits[row], want_logits[0], atol=ATOL, rtol=0)
-            assert torch.equal(tokens[row], want_tokens[0])
+    assert _windows(spy) == _expected_windows(name, NEW_TOKENS)  # prefill + NEW_TOKENS - 1 decoding steps
+    for row, prompt in enumerate(PROMPTS):
+        want_tokens, want_logits = _eager_alone_generation(name, prompt)
+        torch.testing.assert_close(logits[row], want_logits, atol=ATOL, rtol=0)
+        assert torch.equal(tokens[row], want_tokens)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_generate_one_sequence(name, cache, spy):
-    packed, eager = _pair(name)
-    packed.eval(), eager.eval()
+@pytest.mark.parametrize("name,cache", [("llama", "dynamic"), ("gemma3", "static")])
+def test_generate_without_attention_mask(name, cache, spy):
+    packed, _ = _pair(name)
+    packed.eval()
     kwargs = {} if cache == "dynamic" else dict(cache_implementation="static")
-    ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
-        tokens, logits = _generate(packed, ids, **kwargs)
-        assert spy.call_count == LAYERS * NEW_TOKENS
-        want_tokens, want_logits = _generate(eager, ids)
-    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
-    assert torch.equal(tokens, want_tokens)
+        tokens, logits = _generate(packed, torch.tensor([PROMPTS[0]]), **kwargs)
+    assert spy.call_count == LAYERS * NEW_TOKENS
+    want_tokens, want_logits = _eager_alone_generation(name, PROMPTS[0])
+    torch.testing.assert_close(logits[0], want_logits, atol=ATOL, rtol=0)
+    assert torch.equal(tokens[0], want_tokens)
