@@ -1,16 +1,21 @@
 """`packattn demo`: packed batches (varlen, padding, window, chunk, cross, GQA) on every available
-backend, each compared with the reference backend computed in float32 from the same inputs."""
+backend, each compared with the reference backend computed in float32 from the same inputs.
+
+Backends that cannot run in this process at all (no CUDA, a missing package) are listed once, with
+the reason, before the table; the table has a row per case for the others. Times are medians of
+several forward+backward runs after one warm-up run."""
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import torch
 
-from packattn import dispatch
+from packattn import backends, dispatch
 from packattn.api import attention
-from packattn.backends import REGISTRY
+from packattn.mask import Mask
 from packattn.varlen import Varlen
 
 CASES = [
@@ -37,25 +42,30 @@ def _sync(device):
 
 
 def _time(fn, device, reps: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn``, each timed alone, after one warm-up call."""
     fn()
     _sync(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(reps):
+        start = time.perf_counter()
         fn()
-    _sync(device)
-    return (time.perf_counter() - start) / reps * 1e3
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
-def run_demo(size: str = "auto", seed: int = 0) -> int:
+def run_demo(size: str = "auto", seed: int = 0, reps: int | None = None) -> int:
+    """Every case on every backend that can run here; ``reps`` timed runs per row (default 10 large, 5 small)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     large = size == "large" or (size == "auto" and device.type == "cuda")
     total, longest, heads, dim = (16384, 4096, (16, 4), 128) if large else (600, 150, (4, 2), 32)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    reps = 10 if large else 2
+    reps = reps or (10 if large else 5)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     print(f"packattn demo on {device} ({'large' if large else 'small'}): ~{total} tokens, heads {heads[0]}/{heads[1]}, "
           f"head_dim {dim}, {str(dtype).replace('torch.', '')}; errors vs the reference in float32\n")
+    usable = _usable_backends()
     rows = []
     failures = 0
     for name, opts, pad, cross in CASES:
@@ -69,10 +79,8 @@ def run_demo(size: str = "auto", seed: int = 0) -> int:
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = attention(q32, k32, v32, seqs, backend="reference", **opts)
         ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
-        for backend in REGISTRY:
-            why = backend.unavailable()
-            if why is None:
-                why = _unsupported(backend, q, k, v, seqs, opts)
+        for backend in usable:
+            why = _unsupported(backend, q, k, v, seqs, opts)
             if why is not None:
                 rows.append((name, backend.name, "-", "-", "-", why))
                 continue
@@ -84,10 +92,11 @@ def run_demo(size: str = "auto", seed: int = 0) -> int:
             row = _check_backend(name, backend.name, step, ref, ref_grads, dtype, device, reps)
             failures += row[-1] != "ok"
             rows.append(row)
-    tree_rows, tree_failures, saved = _tree_case(device, dtype, large, heads, dim, reps, rng)
+    tree_rows, tree_failures, saved = _tree_case(usable, device, dtype, large, heads, dim, reps, rng)
     rows += tree_rows
     failures += tree_failures
-    _print_table(("case", "backend", "max|out err|", "max|grad err|", "fwd+bwd ms", "status"), rows)
+    _print_table(("case", "backend", "max|out err|", "max|grad err|", f"fwd+bwd ms (median of {reps})", "status"),
+                 rows)
     print(f"\ntree case: {saved}")
     print(f"\n{'all backends agree with the reference' if not failures else f'{failures} failures'}")
     return 1 if failures else 0
@@ -107,7 +116,24 @@ def _check_backend(case: str, name: str, step, ref, ref_grads, dtype, device, re
         return case, name, "-", "-", "-", f"error: {type(e).__name__}: {e}"[:90]
 
 
-def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: random.Random):
+def _usable_backends() -> list:
+    """The backends that can run in this process; one line for each of the others, with its reason."""
+    usable, missing = [], []
+    for backend in backends.registry():
+        why = backend.unavailable()
+        if why is None:
+            usable.append(backend)
+        else:
+            missing.append((backend.name, why))
+    if missing:
+        print("not available here (skipped in every case):")
+        for name, why in missing:
+            print(f"  {name}: {why}")
+        print()
+    return usable
+
+
+def _tree_case(usable, device, dtype, large: bool, heads, dim: int, reps: int, rng: random.Random):
     """A GRPO-like batch packed as a `Tree`, on every tree-capable backend, against each sequence run
     alone (the expanded batch, causal, reference backend in float32)."""
     from packattn.tree import Tree
@@ -133,8 +159,8 @@ def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: rand
     ref = attention(*(tree.gather(t) for t in (q32, k32, v32)), expanded, causal=True, backend="reference")
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
     rows, failures = [], 0
-    for backend in REGISTRY:
-        why = backend.unavailable() or _unsupported(backend, q, k, v, tree, {"causal": True}, kind="tree")
+    for backend in usable:
+        why = _unsupported(backend, q, k, v, tree, {"causal": True})
         if why is not None:
             rows.append(("tree (GRPO)", backend.name, "-", "-", "-", why))
             continue
@@ -149,18 +175,11 @@ def _tree_case(device, dtype, large: bool, heads, dim: int, reps: int, rng: rand
     return rows, failures, saved
 
 
-def _unsupported(backend, q, k, v, seqs, opts, kind: str = "varlen"):
-    from packattn.mask import Mask
-
-    params = dispatch.Params(
-        device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[2],
-        head_dim_v=v.shape[2], kind=kind, pad_between_seqs=kind == "varlen" and seqs.pad_between_seqs,
-        is_self=True if kind == "tree" else seqs.is_self, host_lengths=kind == "tree" or seqs.lengths_q is not None,
-        max_seqlen_q=17 if kind == "tree" else dispatch.Params.bucket(seqs.max_seqlen_q),
-        max_seqlen_kv=17 if kind == "tree" else dispatch.Params.bucket(seqs.max_seqlen_kv), mask=Mask.make(**opts),
-        return_lse=False,
-        deterministic=False, requires_grad=True,
-    )
+def _unsupported(backend, q, k, v, seqs, opts):
+    """Why ``backend`` does not take this case (the call's `dispatch.Params`, as `attention` keys it), or None."""
+    params = dispatch.call_params(seqs, device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1],
+                                  heads_kv=k.shape[1], head_dim=q.shape[2], head_dim_v=v.shape[2],
+                                  mask=Mask.make(**opts), requires_grad=True)
     return backend.unsupported(params) or backend.auto_skip(params)
 
 

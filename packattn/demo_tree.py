@@ -6,14 +6,16 @@ ways from the same initial weights:
 * as plain varlen (`Varlen.from_lengths`): every sequence in full, log-probs by a direct log-softmax.
 
 The loss is GRPO-like: ``-mean_i A_i * mean_{t in response i} log p(t)`` with a random advantage
-``A_i`` per sequence. It reports tokens, peak memory (CUDA), step time, and the largest relative
-difference between the two ways of the log-probs, the loss and every parameter gradient.
+``A_i`` per sequence. It reports tokens, peak memory (CUDA), step time (the median of ``repeats``
+steps after one warm-up step, the two ways interleaved), and the largest relative difference between
+the two ways of the log-probs, the loss and every parameter gradient.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -68,7 +70,7 @@ class StepResult:
     logprobs: torch.Tensor  # per token, unpacked layout
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
-    ms: float  # packing + forward + loss + backward
+    ms: float  # packing + forward + loss + backward (`run`: the median over its timed steps)
     peak_bytes: int | None  # CUDA peak allocated above the start of the step, None elsewhere
 
 
@@ -131,6 +133,7 @@ class Report:
     diff_loss: float
     diff_grads: float  # worst parameter
     checked: bool  # the dtype is float32 / float64, so the differences are held to TOLERANCE
+    timed_steps: int = 1  # steps each step time is the median of
 
     @property
     def ok(self) -> bool:
@@ -138,9 +141,9 @@ class Report:
 
 
 def run(prompts=2, group=4, prompt_len=48, response_len=16, vocab=128, dim=64, layers=2, heads_q=4, heads_kv=2,
-        device=None, dtype=torch.float32, backend="auto", seed=0, repeats=2) -> Report:
-    """Build the batch and the model, run the step both ways (the first ``repeats - 1`` runs warm up:
-    the timed and compared step is the last one), and compare."""
+        device=None, dtype=torch.float32, backend="auto", seed=0, repeats=5) -> Report:
+    """Build the batch and the model, run one warm-up step both ways, then ``repeats`` timed steps each (tree
+    and varlen interleaved), and compare the last ones. Step times are the medians of the timed steps."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batch = make_batch(prompts, group, prompt_len, response_len, vocab, seed)
     torch.manual_seed(seed)
@@ -148,12 +151,19 @@ def run(prompts=2, group=4, prompt_len=48, response_len=16, vocab=128, dim=64, l
     model_tree = Decoder(config).to(device=device, dtype=dtype)
     model_varlen = Decoder(config).to(device=device, dtype=dtype)
     model_varlen.load_state_dict(model_tree.state_dict())  # same initial weights, separate gradients
+    train_step(model_tree, batch, _tree_forward, backend)  # warm-up: first-use costs out of the times
+    train_step(model_varlen, batch, _varlen_forward, backend)
+    tree_ms, varlen_ms = [], []
     for _ in range(max(1, repeats)):
         tree = train_step(model_tree, batch, _tree_forward, backend)
         varlen = train_step(model_varlen, batch, _varlen_forward, backend)
+        tree_ms.append(tree.ms)
+        varlen_ms.append(varlen.ms)
+    tree.ms, varlen.ms = statistics.median(tree_ms), statistics.median(varlen_ms)
     diff_grads = max(relative_difference(tree.grads[n], varlen.grads[n]) for n in tree.grads)
     return Report(len(batch.sequences), tree, varlen, relative_difference(tree.logprobs, varlen.logprobs),
-                  relative_difference(tree.loss, varlen.loss), diff_grads, dtype in (torch.float32, torch.float64))
+                  relative_difference(tree.loss, varlen.loss), diff_grads, dtype in (torch.float32, torch.float64),
+                  len(tree_ms))
 
 
 def format_report(r: Report, device, dtype) -> str:
@@ -163,7 +173,7 @@ def format_report(r: Report, device, dtype) -> str:
     t, v = r.tree, r.varlen
     lines = [
         f"GRPO step on {device}, {str(dtype).replace('torch.', '')}: {r.sequences} sequences",
-        f"  {'':<8} {'tokens':>9} {'peak memory':>13} {'step ms':>9}",
+        f"  {'':<8} {'tokens':>9} {'peak memory':>13} {'step ms':>9}  (median of {r.timed_steps} steps)",
         f"  {'tree':<8} {t.tokens:>9} {mem(t.peak_bytes):>13} {t.ms:>9.2f}",
         f"  {'varlen':<8} {v.tokens:>9} {mem(v.peak_bytes):>13} {v.ms:>9.2f}",
         f"  the tree runs {v.tokens / t.tokens:.2f}x fewer tokens",
@@ -194,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--size", choices=("auto", "small", "large"), default="auto",
                         help="preset sizes (auto: large on a GPU); the options below override them")
-    for name in ("prompts", "group", "prompt-len", "response-len", "vocab", "dim", "layers", "heads-q", "heads-kv",
-                 "repeats"):
+    for name in ("prompts", "group", "prompt-len", "response-len", "vocab", "dim", "layers", "heads-q", "heads-kv"):
         parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--repeats", type=int, help="timed steps each way, after one warm-up step (default 5)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     parser.add_argument("--backend", default="auto", help="packattn backend for both ways (default: auto)")
     parser.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,31 @@ def test_demo_small(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "all backends agree with the reference" in text
     assert "MISMATCH" not in text and "error:" not in text
+    # a backend that cannot run here is one line with its reason, not a row per case
+    lines = text.splitlines()
+    for backend in REGISTRY:
+        why = backend.unavailable()
+        mentions = [ln for ln in lines if backend.name in ln.replace("|", " ").replace("│", " ").split()
+                    or ln.strip().startswith(f"{backend.name}:")]
+        if why is not None:
+            assert mentions == [f"  {backend.name}: {why}"], mentions
+        else:
+            assert len(mentions) >= 7  # a row per case (6 varlen cases and the tree case)
+    assert "fwd+bwd ms (median of 5)" in text and "(median of 5 steps)" in text
+
+
+def test_demo_times_are_medians(monkeypatch):
+    """A row's time is the median of its timed runs (after one warm-up run): one slow run does not set it."""
+    from packattn import demo
+
+    now = [0.0]
+    durations = iter([5.0, 0.001, 0.002, 0.003, 9.0, 0.004])  # seconds: the warm-up, then five runs
+
+    def step():
+        now[0] += next(durations)
+
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: now[0])
+    assert demo._time(step, torch.device("cpu"), 5) == pytest.approx(3.0, abs=1e-9)  # ms; the mean would be 1802
 
 
 def test_bad_command_lines_exit_with_usage():

@@ -28,6 +28,24 @@ def test_tree_step_matches_varlen_with_fewer_tokens(seed):
     assert report.tree.loss.abs() > 0 and report.tree.grads.keys() == report.varlen.grads.keys()
 
 
+def test_step_times_are_medians_of_the_timed_steps(monkeypatch):
+    """After one warm-up step each way, ``repeats`` timed steps (tree and varlen interleaved): each reported
+    time is their median, so one slow step does not make the tree read slower than varlen."""
+    real = demo_tree.train_step
+    times = iter([900.0, 900.0, 1.0, 10.0, 2.0, 20.0, 3.0, 30.0, 500.0, 40.0, 4.0, 50.0])
+
+    def timed(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.ms = next(times)
+        return result
+
+    monkeypatch.setattr(demo_tree, "train_step", timed)
+    report = demo_tree.run(seed=0, **dict(TINY, repeats=5))
+    assert (report.tree.ms, report.varlen.ms, report.timed_steps) == (3.0, 30.0, 5)
+    assert report.ok
+    assert "(median of 5 steps)" in demo_tree.format_report(report, "cpu", torch.float32)
+
+
 def test_batch_and_weights():
     batch = demo_tree.make_batch(prompts=2, group=4, prompt_len=5, response_len=3, vocab=10, seed=0)
     assert len(batch.sequences) == 8 and batch.advantages.shape == (8,)

@@ -151,6 +151,28 @@ def test_tree_rejects_foreign_mask_options():
         packattn.attention(q[:-1], k[:-1], v[:-1], tree)
 
 
+@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception),
+                   reason="the api.py / cp change proposed in issue 25's item 6 (causal unset = the descriptor's "
+                          "rule): remove this mark when it lands")
+def test_tree_is_causal_by_definition():
+    """``causal=False`` with a Tree is an error (it used to run the tree's causal mask anyway, while "top_left"
+    was refused); left unset, causal means the descriptor's own rule: the tree's, or none for a Varlen."""
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4]], device=DEVICE)
+    q, k, v = inputs(tree)
+    with pytest.raises(ValueError, match="a Tree is causal by definition"):
+        packattn.attention(q, k, v, tree, causal=False, backend="reference")
+    with pytest.raises(ValueError, match="a Tree is causal by definition"):
+        packattn.DotProductAttention(causal=False, backend="reference")(q, k, v, tree)
+    unset = packattn.attention(q, k, v, tree, backend="reference")
+    torch.testing.assert_close(unset, packattn.attention(q, k, v, tree, causal=True, backend="reference"),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(packattn.DotProductAttention(backend="reference")(q, k, v, tree), unset, atol=0, rtol=0)
+    seqs = Varlen.from_lengths([3, 2], device=DEVICE)
+    x = torch.randn(5, 2, 16, device=DEVICE)
+    full = packattn.attention(x, x, x, seqs, causal=False, backend="reference")
+    torch.testing.assert_close(packattn.attention(x, x, x, seqs, backend="reference"), full, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------- the Triton tables
 def _visible_pairs(tree: Tree) -> torch.Tensor:
     end = tree.row_subtree_end().long().cpu()
