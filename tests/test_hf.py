@@ -1,6 +1,7 @@
 """attn_implementation="packattn" in a tiny random Llama (CPU, no downloads): packed batches give the
 logits of running each sequence alone with transformers' eager attention."""
 
+import inspect
 from unittest import mock
 
 import pytest
@@ -133,9 +134,10 @@ def test_unpacked_batch(models, spy):
 def test_decoding_with_cache(models, spy):
     packed, eager = models
     ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    cache_kwarg = "cache" if "cache" in inspect.signature(packed.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = packed(ids[:, :4], use_cache=True)
-        step = packed(ids[:, 4:], past_key_values=out.past_key_values, use_cache=True).logits
+        step = packed(ids[:, 4:], **{cache_kwarg: out.past_key_values}, use_cache=True).logits
         assert spy.call_count == 4 and all(c.kwargs["causal"] for c in spy.call_args_list)
         torch.testing.assert_close(step, eager(ids).logits[:, 4:], atol=ATOL, rtol=0)
         ones = torch.ones_like(ids)
@@ -245,6 +247,13 @@ def test_static_cache_offsets(models):
     assert (mask.q_shift, mask.kv_used, mask.spans) == (5, 6, ((2, 6), (2, 6)))
     with pytest.raises(NotImplementedError, match="every query's own key"):
         hf.packattn_mask(2, 4, 3)
+    # queries that are all the keys need no read of the offset; other offsets cannot be read in a traced graph
+    assert hf.packattn_mask(1, 4, 4, q_offset=torch.tensor(0)).q_shift == 0
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        with pytest.raises(NotImplementedError, match="static cache on the host.*fullgraph=True"):
+            hf.packattn_mask(1, 1, 16, q_offset=torch.tensor(5))
+        with pytest.raises(NotImplementedError, match="attention_mask on the host"):
+            hf.packattn_mask(1, 4, 4, attention_mask=torch.ones(1, 4))
 
 
 def test_gradients_match_eager(models, spy):

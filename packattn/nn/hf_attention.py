@@ -18,11 +18,9 @@ from __future__ import annotations
 import torch
 
 import packattn
-from packattn.nn.hf_mask import NAME, HFMask
+from packattn.nn.hf_mask import DESCRIPTOR_KWARG, NAME, HFMask
 from packattn.tree import Tree
 from packattn.varlen import Varlen
-
-DESCRIPTOR_KWARG = "packattn_descriptor"
 
 
 # ------------------------------------------------------------------------------- packed descriptors

@@ -26,6 +26,7 @@ except ImportError as err:  # pragma: no cover
     raise ImportError(f"packattn.nn.hf needs transformers>=5 (pip install 'packattn[hf]'): {err}") from err
 
 NAME = "packattn"
+DESCRIPTOR_KWARG = "packattn_descriptor"
 
 
 @dataclass(eq=False)
@@ -150,18 +151,28 @@ def _padding_spans(attention_mask: torch.Tensor, kv_offset: int, kv_used: int) -
     return tuple((start, start + count) if count else (0, 0) for start, count, _ in summary)
 
 
-def _query_offset(q_offset, cache_position) -> int:
-    """The query offset as a host int (static caches keep it in a tensor: reading it is one sync)."""
-    if cache_position is not None:  # transformers < 5.4 passes the query positions instead
-        q_offset = cache_position[0] if cache_position.numel() else 0
+def _read_on_host(what: str) -> None:
+    """Raise, naming the fix, where reading ``what`` on the host would break a graph being traced."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"attn_implementation='{NAME}' reads {what} on the host, which a graph traced by torch.compile cannot do: "
+            "compile without fullgraph=True (generate() compiles so by itself: its static-cache masks are built "
+            f"before the compiled forward), run uncompiled, or pack the batch and pass {DESCRIPTOR_KWARG}= "
+            "with no attention_mask and no static cache")
+
+
+def _query_shift(q_offset, kv_offset, q_length: int, kv_length: int, cache_position) -> int:
+    """The key row of query 0 (query offset - key offset) as a host int. Static caches keep the query offset
+    in a tensor, and transformers < 5.4 passes the query positions instead: reading either is one sync,
+    skipped where the queries are all the keys."""
+    if cache_position is not None:
+        q_offset = cache_position[:1]
     if isinstance(q_offset, torch.Tensor):
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"attn_implementation='{NAME}' reads the query offset of a static cache on the host, which a compiled "
-                "graph cannot do; run generate() uncompiled (generate(..., disable_compile=True)) or use the dynamic "
-                "cache")
-        q_offset = int(q_offset)
-    return int(q_offset)
+        if q_length == kv_length:
+            return 0
+        _read_on_host("the query offset of a static cache")
+        q_offset = int(q_offset.reshape(-1)[0]) if q_offset.numel() else 0
+    return int(q_offset) - int(kv_offset)
 
 
 def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -177,7 +188,7 @@ def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offs
                              f"{(batch_size, 1, q_length, kv_length)}")
         return attention_mask
     causal, window, packed = read_mask_function(mask_function)
-    q_shift = _query_offset(q_offset, cache_position) - int(kv_offset)
+    q_shift = _query_shift(q_offset, kv_offset, q_length, kv_length, cache_position)
     if q_shift < 0 or q_shift + q_length > kv_length:
         raise NotImplementedError(
             f"attn_implementation='{NAME}' needs every query's own key in the keys of the call; this call has "
@@ -188,6 +199,7 @@ def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offs
         if attention_mask.dim() != 2:
             raise TypeError(f"attn_implementation='{NAME}' takes a 2-D padding mask, got shape "
                             f"{tuple(attention_mask.shape)}")
+        _read_on_host("the attention_mask")
         spans = _padding_spans(attention_mask, int(kv_offset), q_shift + q_length)
-    return HFMask(batch_size=int(batch_size), causal=causal, window=window, packed=packed, q_length=int(q_length), kv_length=int(kv_length),
-                  q_shift=q_shift, spans=spans)
+    return HFMask(batch_size=int(batch_size), causal=causal, window=window, packed=packed, q_length=int(q_length),
+                  kv_length=int(kv_length), q_shift=q_shift, spans=spans)
