@@ -153,14 +153,14 @@ def attention(
     if tree is not None:
         kind, pad_between_seqs, is_self, host_lengths = "tree", False, True, True
         if compiling:
-            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(tree.max_depth, tree.max_depth)
+            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(2, 2)  # trees are not small-seq batches
         else:
             max_seqlen_q = max_seqlen_kv = dispatch.Params.bucket(tree.max_depth)
     else:
         kind, pad_between_seqs, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
         host_lengths = not compiling and seqs.lengths_q is not None  # (traced, a tuple read is a guard)
         if compiling:
-            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(seqs.max_seqlen_q, seqs.max_seqlen_kv)
+            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(*seqs.traced_max_seqlens())
         else:
             max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
             max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)

@@ -15,6 +15,7 @@ modules are imported on the first decision (`packattn.backends.registry`), not w
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,6 +64,16 @@ class Params:
         if length < _LENGTH_BUCKET:
             return length
         return _LENGTH_BUCKET if length <= SHORT_SEQLEN else SHORT_SEQLEN + 1
+
+    @staticmethod
+    def traced_buckets(max_seqlen_q, max_seqlen_kv) -> tuple[int, int]:
+        """`bucket` of both lengths while torch.compile traces, where they are symbolic (they vary per batch,
+        and a branch on them becomes a guard, so a new packing would recompile). One branch is kept: one query
+        over at most 16 keys (the small-seq regime) gives ``(1, 16)``; anything else the bucket above
+        SHORT_SEQLEN, whatever the lengths (so auto dispatch does not defer short batches, `Backend.defers_to`)."""
+        if max_seqlen_q <= 1 and max_seqlen_kv < _LENGTH_BUCKET:
+            return 1, _LENGTH_BUCKET - 1
+        return SHORT_SEQLEN + 1, SHORT_SEQLEN + 1
 
     @property
     def short_seqs(self) -> bool:
@@ -160,13 +171,18 @@ _cache: OrderedDict = OrderedDict()
 
 def select(params: Params, requested: str = "auto") -> Backend:
     """The backend that runs a call with these params (cached per params + overrides)."""
+    if torch.compiler.is_compiling():
+        return backends.get(_select_outside_trace(*_constant_key(params), requested=requested))
+    return _select(params, requested)
+
+
+def _select(params: Params, requested: str) -> Backend:
+    """`select` on the eager path (also what `_select_outside_trace` runs, eagerly, for a trace)."""
     forced, disabled = _env()
     key = (params, requested, forced, disabled)
-    compiling = torch.compiler.is_compiling()
     hit = _cache.get(key)
     if hit is not None:
-        if not compiling:  # the cache is not touched while dynamo traces (it cannot replay the mutation)
-            _cache.move_to_end(key)
+        _cache.move_to_end(key)
         return hit
     _check_names(requested, forced)
     chosen = None
@@ -175,19 +191,47 @@ def select(params: Params, requested: str = "auto") -> Backend:
         if why is None:
             chosen = backends.get(name)
             break
-        if not compiling:  # logging would break a torch.compile graph
-            log.debug("packattn: skipping backend %s: %s", name, why)
+        log.debug("packattn: skipping backend %s: %s", name, why)
     if chosen is None:
         lines = "\n".join(f"  {name}: {why}" for name, why in listing)
         raise NoBackendError(f"no packattn backend can run this call ({describe(params)}):\n{lines}")
-    if not compiling:
-        log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
-        if "dispatch" in env.log_topics():
-            _log_decision(params, requested, chosen.name, listing)
-        _cache[key] = chosen
-        if len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
+    log.debug("packattn: using backend %s for %s", chosen.name, describe(params))
+    if "dispatch" in env.log_topics():
+        _log_decision(params, requested, chosen.name, listing)
+    _cache[key] = chosen
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
     return chosen
+
+
+def _constant_key(params: Params) -> tuple:
+    """``params`` as constants (what a function marked constant for dynamo can take). A field that is symbolic
+    (a dimension dynamo made dynamic: heads after a change of rank, ``is_self`` of a dense batch of dynamic
+    lengths) is specialised here (``operator.index`` / a branch: a guard), as tracing `select` would have."""
+    m = params.mask
+    ints = (params.heads_q, params.heads_kv, params.head_dim, params.head_dim_v, params.max_seqlen_q,
+            params.max_seqlen_kv)
+    flags = (params.pad_between_seqs, params.is_self, params.host_lengths, params.return_lse, params.deterministic,
+             params.requires_grad)
+    heads_q, heads_kv, head_dim, head_dim_v, max_q, max_kv = (operator.index(n) for n in ints)
+    pad, is_self, host, lse, deterministic, grad = (True if flag else False for flag in flags)
+    return (params.device_type, params.dtype, heads_q, heads_kv, head_dim, head_dim_v, params.kind, pad, is_self,
+            host, max_q, max_kv, (m.causal, m.window, m.chunk_size, m.align), lse, deterministic, grad)
+
+
+def _select_outside_trace(*key, requested: str) -> str:
+    """The name of `select`'s backend, decided eagerly from inside a torch.compile trace: dynamo calls a function
+    marked constant instead of tracing it and puts its result in the graph. So dispatch's cache, the lazily
+    built registry, the environment and the backends' probes (imports included) are read without becoming
+    guards: a cold cache, or eager calls between compiled ones, recompile nothing. The environment is read once,
+    when the graph is traced."""
+    fields = list(key)
+    fields[12] = Mask(*fields[12])
+    return _select(Params(*fields), requested).name
+
+
+# what torch.compiler.assume_constant_result sets, set here without importing torch._dynamo (seconds) with packattn
+_select_outside_trace._dynamo_marked_constant = True
 
 
 def clear_cache() -> None:

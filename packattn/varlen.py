@@ -12,6 +12,7 @@ attention call syncs the GPU to learn one.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,23 @@ class Varlen:
     _on_device: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        mark_dynamic(self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded)
+        self._set_max_seqlens(self.max_seqlen_q, self.max_seqlen_kv)
+
+    def _set_max_seqlens(self, max_seqlen_q: int, max_seqlen_kv: int) -> None:
+        self.max_seqlen_q, self.max_seqlen_kv = max_seqlen_q, max_seqlen_kv
+        # + 2: torch.compile specialises dynamic dimensions of size 0 and 1
+        self._max_seqlens_shape = torch.empty((), dtype=torch.int8).expand(max_seqlen_q + 2, max_seqlen_kv + 2)
+        mark_dynamic(self._max_seqlens_shape, dims=(0, 1))
+
+    def traced_max_seqlens(self) -> tuple:
+        """``(max_seqlen_q, max_seqlen_kv)`` as torch.compile should read them: from the shape of a stride-0
+        tensor made with the descriptor and marked dynamic (`mark_dynamic`), so the first graph is general in
+        them. Int attributes would be constants of the first graph (one packing); only a recompile would
+        generalise them."""
+        return self._max_seqlens_shape.shape[0] - 2, self._max_seqlens_shape.shape[1] - 2
+
     @property
     def pad_between_seqs(self) -> bool:
         return self.cu_seqlens_q_padded is not None or self.cu_seqlens_kv_padded is not None
@@ -195,8 +213,8 @@ class Varlen:
             if lengths and given < max(lengths):
                 raise ValueError(f"{name}={given} is smaller than the longest sequence ({max(lengths)})")
         out = cls._build(cu_q, cu_k, cu_qp, cu_kp, lq, lk, is_self, cu_seqlens_q.device)
-        out.max_seqlen_q = max_seqlen_q
-        out.max_seqlen_kv = max_seqlen_q if max_seqlen_kv is None and is_self else (max_seqlen_kv or out.max_seqlen_kv)
+        out._set_max_seqlens(max_seqlen_q, max_seqlen_q if max_seqlen_kv is None and is_self
+                             else (max_seqlen_kv or out.max_seqlen_kv))
         return out
 
     @classmethod
@@ -292,6 +310,7 @@ class Varlen:
             other.cu_seqlens_kv = other.cu_seqlens_q if self.cu_seqlens_kv is self.cu_seqlens_q else mv(self.cu_seqlens_kv)
             same_pad = self.cu_seqlens_kv_padded is self.cu_seqlens_q_padded
             other.cu_seqlens_kv_padded = other.cu_seqlens_q_padded if same_pad else mv(self.cu_seqlens_kv_padded)
+            mark_dynamic(other.cu_seqlens_kv, other.cu_seqlens_kv_padded)
             self._on_device[key] = other
         return self._on_device[key]
 
@@ -362,6 +381,19 @@ class Varlen:
             f"Varlen(num_seqs={self.num_seqs}, total_q={self.total_q}, total_kv={self.total_kv}, "
             f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_kv={self.max_seqlen_kv}{pad}, device={self.device})"
         )
+
+
+def mark_dynamic(*tensors: torch.Tensor | None, dims: tuple[int, ...] = (0,)) -> None:
+    """Tell torch.compile that ``dims`` of these per-batch tensors vary (``torch._dynamo.maybe_mark_dynamic``),
+    so the first graph it traces over a descriptor serves every packing. Done only where torch.compile is
+    already loaded (``torch._dynamo`` takes seconds to import; a program that compiles has loaded it by the
+    time it builds its batches) and not while tracing; otherwise the second graph generalises instead."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            dynamo.maybe_mark_dynamic(t, list(dims))
 
 
 def lengths_then_zero(cu_seqlens: torch.Tensor) -> torch.Tensor:

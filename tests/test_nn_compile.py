@@ -122,3 +122,104 @@ def test_packed_attention_compiles_fullgraph():
         torch.testing.assert_close(out, eager, **TOL)
         for got, want in zip(grads, eager_grads):
             torch.testing.assert_close(got, want, **TOL)
+
+
+# ---------------------------------------------------------------- one graph for every packing
+TOKENS = 64  # every packing below holds this many rows: a training step's fixed token budget
+
+
+def random_varlen(rng: torch.Generator, num_seqs: int) -> Varlen:
+    """``num_seqs`` (1-30) sequences of TOKENS rows in all, one of length 1 and some empty when there is room."""
+    cuts = torch.randperm(TOKENS - 2, generator=rng)[: num_seqs - 2].add(1).sort().values.tolist() if num_seqs > 2 else []
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, TOKENS - 1])] + ([1] if num_seqs > 1 else [])
+    if num_seqs == 1:
+        lengths = [TOKENS]
+    if num_seqs > 3:
+        lengths[1] += lengths[2]
+        lengths[2] = 0  # an empty sequence
+    assert sum(lengths) == TOKENS and len(lengths) == num_seqs
+    return Varlen.from_lengths(lengths)
+
+
+def random_tree(rng: torch.Generator) -> Tree:
+    """A random trie of TOKENS rows from its nodes: each node's parent lies on the path to the previous node
+    (DFS pre-order), or it starts a new root."""
+    num_nodes = int(torch.randint(2, 12, (1,), generator=rng))
+    cuts = torch.randperm(TOKENS - 1, generator=rng)[: num_nodes - 1].add(1).sort().values.tolist()
+    cu = [0, *cuts, TOKENS]
+    parents, path = [], []
+    for _ in range(num_nodes):
+        depth = int(torch.randint(0, len(path) + 1, (1,), generator=rng))  # keep this many ancestors
+        path = path[:depth]
+        parents.append(path[-1] if path else -1)
+        path.append(len(parents) - 1)
+    return Tree.from_nodes(torch.tensor(cu), torch.tensor(parents))
+
+
+def packings(count: int, seed: int = 0) -> list:
+    """``count`` descriptors: Varlen with 1-30 sequences (1 and 30 included) and every third a Tree."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        if i % 3 == 2:
+            out.append(random_tree(rng))
+        else:
+            n = [1, 30][i] if i < 2 else int(torch.randint(2, 31, (1,), generator=rng))
+            out.append(random_varlen(rng, n))
+    return out
+
+
+def position_ids_of(descriptor) -> torch.Tensor:
+    if isinstance(descriptor, Tree):
+        return descriptor.position_ids
+    return torch.cat([torch.arange(n) for n in descriptor.lengths_q])
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (its counter is not reset between tests: compare)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("backends, count", [(("reference", "reference"), 20), (("triton", "triton_tree"), 4)],
+                         ids=["reference", "triton"])
+def test_packed_attention_compiles_one_graph_for_every_packing(backends, count):
+    """PackedAttention under torch.compile(fullgraph=True), cold dispatch cache, over ``count`` packings (Varlen
+    and Tree) of the same token budget: at most one graph per descriptor kind, results equal to eager.
+    ``backends``: the one for Varlen batches and the one for trees (the Triton kernels are interpreted on CPU)."""
+    if backends[0] == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before packattn is imported")
+    dispatch.clear_cache()
+    graphs_before = graphs_compiled()
+    modules = {kind: PackedAttention.Config(backend=name, causal=True).build() for kind, name in zip((Varlen, Tree),
+                                                                                                  backends)}
+    compiled = {kind: torch.compile(m, fullgraph=True, backend="aot_eager") for kind, m in modules.items()}
+    g = torch.Generator().manual_seed(0)
+    for descriptor in packings(count):
+        q, k, v = (torch.randn(TOKENS, h, 32, generator=g, requires_grad=True) for h in (4, 2, 2))
+        out = compiled[type(descriptor)](q, k, v, attention_masks=descriptor, enable_gqa=True)
+        grads = torch.autograd.grad((out * out.detach().sin()).sum(), (q, k, v))
+        want = modules[type(descriptor)](q, k, v, attention_masks=descriptor, enable_gqa=True)
+        want_grads = torch.autograd.grad((want * want.detach().sin()).sum(), (q, k, v))
+        torch.testing.assert_close(out, want, **TOL, msg=lambda m: f"{descriptor}: {m}")
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{descriptor}: {m}")
+    assert graphs_compiled() - graphs_before <= 2  # one per descriptor kind (Varlen, Tree)
+
+
+def test_decoder_compiles_one_graph_for_every_packing():
+    """nn.Decoder, compiled once, trained-step style over 20 packings (Varlen and Tree): at most 2 graphs,
+    logits and parameter gradients equal to eager."""
+    dispatch.clear_cache()
+    graphs_before = graphs_compiled()
+    model = make_model()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    rng = torch.Generator().manual_seed(3)
+    for descriptor in packings(20, seed=1):
+        tokens = torch.randint(0, VOCAB, (TOKENS,), generator=rng)
+        batch = (tokens, position_ids_of(descriptor), descriptor)
+        want = logits_and_grads(model, model, *batch, "auto")
+        got = logits_and_grads(compiled, model, *batch, "auto")
+        torch.testing.assert_close(got[0], want[0], **TOL)
+        for name in want[1]:
+            torch.testing.assert_close(got[1][name], want[1][name], **TOL, msg=lambda m: f"{name}: {m}")
+    assert graphs_compiled() - graphs_before <= 2

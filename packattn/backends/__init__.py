@@ -18,17 +18,11 @@ def registry() -> list:
     """The backends, one instance each, in priority order (one list per process: a test or a tool may
     append its own backend to it, to be asked for by name).
 
-    When the first call is inside torch.compile the list is built while dynamo traces (import statements,
-    not importlib: dynamo runs those) and kept only once a call outside tracing builds it: storing it while
-    tracing would change a global the graph's guards read, and the next call would recompile."""
+    Under torch.compile, dispatch decides outside the trace (`dispatch._select_outside_trace`), which
+    builds this list eagerly before the trace reads it: the graph's guard on it never changes."""
     global _registry
     if _registry is None:
-        import torch
-
-        built = _build()
-        if not torch.compiler.is_compiling():
-            _registry = built
-        return built
+        _registry = _build()
     return _registry
 
 

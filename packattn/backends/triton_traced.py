@@ -99,7 +99,7 @@ def traced_varlen_attention(q, k, v, seqs: Varlen, mask: masks.Mask, scale: floa
     """`TritonVarlenBackend.run` while torch.compile traces (``scale >= 0``)."""
     seq = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.offsets_q, seqs.offsets_kv]
     padded = [int(seqs.cu_seqlens_q_padded is not None), int(seqs.cu_seqlens_kv_padded is not None)]
-    options = _mask_options(mask) + padded + [seqs.max_seqlen_q, seqs.max_seqlen_kv]
+    options = _mask_options(mask) + padded + list(seqs.traced_max_seqlens())
     out, lse = traced_varlen_fwd(q, k, v, seq, scale, options)
     return out, (lse if return_lse else None)
 

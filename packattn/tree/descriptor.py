@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from packattn.varlen import Varlen
+from packattn.varlen import Varlen, lengths_then_zero, mark_dynamic
 
 _INT32_MAX = 2**31 - 1
 _I64 = torch.int64
@@ -230,6 +230,9 @@ class Tree:
     _on_device: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        mark_dynamic(self.cu_node_lens, self.node_last_desc)  # the first compiled graph serves every tree
+
     @property
     def device(self) -> torch.device:
         return self.cu_node_lens.device
@@ -337,9 +340,9 @@ class Tree:
 
     def row_node(self) -> torch.Tensor:
         """int32 (total,): the node of every packed row."""
-        def build():
-            nodes = torch.arange(self.num_nodes, dtype=torch.int32, device=self.device)
-            return torch.repeat_interleave(nodes, self.cu_node_lens.diff(), output_size=self.total)
+        def build():  # over N + 1 entries (`lengths_then_zero`); the last, empty node has no row
+            nodes = torch.arange(self.cu_node_lens.shape[0], dtype=torch.int32, device=self.device)
+            return torch.repeat_interleave(nodes, lengths_then_zero(self.cu_node_lens), output_size=self.total)
 
         return self.cached("row_node", build)
 
@@ -347,8 +350,7 @@ class Tree:
         """int32 (total,): for row ``s`` of node ``a``, the first row after ``a``'s subtree; key ``s``
         is visible exactly to the queries ``s <= t < row_subtree_end()[s]``."""
         def build():
-            node_end = self.cu_node_lens[self.node_last_desc.long() + 1]
-            return node_end[self.row_node().long()]
+            return self.cu_node_lens[self.node_last_desc[self.row_node().long()].long() + 1]
 
         return self.cached("row_subtree_end", build)
 
