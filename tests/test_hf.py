@@ -256,6 +256,30 @@ def test_static_cache_offsets(models):
             hf.packattn_mask(1, 4, 4, attention_mask=torch.ones(1, 4))
 
 
+@pytest.mark.parametrize("q_length", [3, 6])
+def test_bidirectional_padded_keys(spy, q_length):
+    """A bidirectional mask (encoders, cross-attention: 3 queries over 6 keys) places no queries: every query
+    row is real and sees its row's real keys, as transformers' eager attention with the same padding."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import bidirectional_mask_function
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, q_length, 8, generator=g)
+    k, v = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    keep = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]]).bool()
+    module = SimpleNamespace(num_key_value_groups=2, training=False, is_causal=False)
+    mask = hf.packattn_mask(2, q_length, 6, mask_function=bidirectional_mask_function, attention_mask=keep)
+    assert (mask.causal, mask.q_shift, mask.spans) == (False, None, ((2, 6), (0, 5)))
+    out, _ = hf.packattn_attention(module, q, k, v, mask, scaling=8 ** -0.5)
+    (seqs,) = _descriptors(spy)
+    assert (seqs.lengths_q, seqs.lengths_kv) == ((0, q_length, q_length), (0, 4, 5))
+    additive = torch.zeros(2, 1, q_length, 6).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min)
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=8 ** -0.5)
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+
+
 def test_gradients_match_eager(models, spy):
     packed, eager = models
     ids, pos = _packed_inputs(SEQS)

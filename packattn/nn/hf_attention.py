@@ -49,19 +49,24 @@ def _slots(starts: list[int], lengths: list[int], total: int) -> tuple[torch.Ten
 def _varlen_from_spans(mask: HFMask, batch: int) -> Varlen:
     """Row ``b`` of the batch holds one sequence: keys at key rows ``mask.spans[b]`` of a slot of
     ``kv_used`` rows, queries at the same tokens' query rows (those at or past ``q_shift``) of a slot
-    of ``q_length`` rows. Both runs end at the same token, so masks stay bottom-right aligned."""
+    of ``q_length`` rows, so both runs end at the same token and masks stay bottom-right aligned.
+    Where `q_shift` is None every query row is real."""
     q_len, kv_len, shift = mask.q_length, mask.kv_used, mask.q_shift
     kv_starts, kv_lengths, q_starts, q_lengths = [], [], [], []
     for row, (start, end) in enumerate(mask.spans):
-        first_query = min(max(start, shift), end)
         kv_starts.append(row * kv_len + start)
         kv_lengths.append(end - start)
-        q_starts.append(row * q_len + first_query - shift)
-        q_lengths.append(end - first_query)
+        if shift is None:
+            q_starts.append(row * q_len)
+            q_lengths.append(q_len)
+        else:
+            first_query = min(max(start, shift), end)
+            q_starts.append(row * q_len + first_query - shift)
+            q_lengths.append(end - first_query)
     if kv_starts[0] or q_starts[0]:  # the first slot starts at row 0: an empty sequence covers the rows before
         kv_starts, kv_lengths, q_starts, q_lengths = [0, *kv_starts], [0, *kv_lengths], [0, *q_starts], [0, *q_lengths]
     cu_q, cu_q_padded = _slots(q_starts, q_lengths, batch * q_len)
-    if mask.fresh:
+    if shift == 0:
         return Varlen.from_cu_seqlens(cu_q, max_seqlen_q=max(q_lengths), cu_seqlens_q_padded=cu_q_padded)
     cu_kv, cu_kv_padded = _slots(kv_starts, kv_lengths, batch * kv_len)
     return Varlen.from_cu_seqlens(cu_q, cu_kv, max_seqlen_q=max(q_lengths), max_seqlen_kv=max(kv_lengths),
@@ -110,7 +115,7 @@ def _check_call(module, mask, query, key, dropout, kwargs) -> HFMask:
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         q_len, kv_len = query.shape[2], key.shape[2]
         mask = HFMask(batch_size=query.shape[0], causal=causal, window=None, packed=False, q_length=q_len,
-                      kv_length=kv_len, q_shift=kv_len - q_len)
+                      kv_length=kv_len, q_shift=kv_len - q_len if causal else None)
     elif not isinstance(mask, HFMask):
         raise TypeError(f"attn_implementation='{NAME}' cannot honour a precomputed attention mask "
                         f"({type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}); "

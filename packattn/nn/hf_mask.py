@@ -5,13 +5,16 @@ a ``(batch, 1, q, kv)`` mask. It returns an `HFMask`: what the mask asks for (ca
 sliding window, packed sequences) and, per batch row, the one run of key rows that holds real tokens.
 Every layer of that kind receives it as ``attention_mask``.
 
-Key rows, query rows. The attention call gets ``q_length`` queries and ``kv_length`` keys per row;
-query ``j`` is the token at key row ``q_shift + j`` (``q_shift`` = query offset - key offset: the cached
-keys in front of the queries). Keys past the last query (``q_shift + q_length``) are never real tokens:
-they are the empty slots of a static cache, so they are dropped. A 2-D padding mask may then remove
-keys at the start of a row (left padding) or at its end (right padding, before any token is cached);
-each row's real keys must stay one contiguous run. The real queries of a row are its real keys that are
-queries, so they end with the run: causal and windowed masks stay aligned at the bottom right.
+Key rows, query rows. The attention call gets ``q_length`` queries and ``kv_length`` keys per row.
+For a causal or windowed mask, query ``j`` is the token at key row ``q_shift + j`` (``q_shift`` = query
+offset - key offset: the cached keys in front of the queries); keys past the last query
+(``q_shift + q_length``) are never real tokens (they are the empty slots of a static cache), so they
+are dropped. A 2-D padding mask may then remove keys at the start of a row (left padding) or at its
+end (right padding, before any token is cached); each row's real keys must stay one contiguous run.
+The real queries of a row are its real keys that are queries, so they end with the run: causal and
+windowed masks stay aligned at the bottom right. A bidirectional mask without a window does not
+depend on where the queries sit (``q_shift`` is None: cross-attention too): every query is real and
+sees its row's run of real keys.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ class HFMask:
     packed: bool  # transformers saw position ids that do not increase by 1 (packed sequences)
     q_length: int
     kv_length: int
-    q_shift: int = 0  # key row of query 0: the number of cached keys in front of the queries
-    # per batch row, the real key rows [start, end); None: rows [0, q_shift + q_length) of every row
+    # key row of query 0 (the number of cached keys in front of the queries); None: bidirectional without
+    # a window, where every query sees every key of its row
+    q_shift: int | None = 0
+    # per batch row, the real key rows [start, end); None: rows [0, kv_used) of every row
     spans: tuple[tuple[int, int], ...] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -60,13 +65,15 @@ class HFMask:
 
     @property
     def kv_used(self) -> int:
-        """Key rows up to the last query; the rest are empty static-cache slots."""
-        return self.q_shift + self.q_length
+        """Key rows up to the last query (the rest are empty static-cache slots); every row when
+        `q_shift` is None."""
+        return self.kv_length if self.q_shift is None else self.q_shift + self.q_length
 
     @property
     def fresh(self) -> bool:
-        """No cached keys: the keys in use are the queries' own tokens."""
-        return self.q_shift == 0
+        """No cached keys: the keys in use are the queries' own tokens (for a mask that does not place the
+        queries: as many keys as queries)."""
+        return self.q_length == self.kv_length if self.q_shift is None else self.q_shift == 0
 
     def cached(self, key, build):
         if key not in self._cache:
@@ -188,18 +195,20 @@ def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offs
                              f"{(batch_size, 1, q_length, kv_length)}")
         return attention_mask
     causal, window, packed = read_mask_function(mask_function)
-    q_shift = _query_shift(q_offset, kv_offset, q_length, kv_length, cache_position)
-    if q_shift < 0 or q_shift + q_length > kv_length:
-        raise NotImplementedError(
-            f"attn_implementation='{NAME}' needs every query's own key in the keys of the call; this call has "
-            f"{q_length} queries starting at key row {q_shift} of {kv_length} keys (a cache transformers sizes "
-            "differently); use DynamicCache or StaticCache")
-    spans = None
+    q_shift = None
+    if causal or window is not None:
+        q_shift = _query_shift(q_offset, kv_offset, q_length, kv_length, cache_position)
+        if q_shift < 0 or q_shift + q_length > kv_length:
+            raise NotImplementedError(
+                f"attn_implementation='{NAME}' needs every query's own key in the keys of the call; this call has "
+                f"{q_length} queries starting at key row {q_shift} of {kv_length} keys (a cache transformers sizes "
+                "differently); use DynamicCache or StaticCache")
+    mask = HFMask(batch_size=int(batch_size), causal=causal, window=window, packed=packed, q_length=int(q_length),
+                  kv_length=int(kv_length), q_shift=q_shift)
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise TypeError(f"attn_implementation='{NAME}' takes a 2-D padding mask, got shape "
                             f"{tuple(attention_mask.shape)}")
         _read_on_host("the attention_mask")
-        spans = _padding_spans(attention_mask, int(kv_offset), q_shift + q_length)
-    return HFMask(batch_size=int(batch_size), causal=causal, window=window, packed=packed, q_length=int(q_length),
-                  kv_length=int(kv_length), q_shift=q_shift, spans=spans)
+        mask.spans = _padding_spans(attention_mask, int(kv_offset), mask.kv_used)
+    return mask
