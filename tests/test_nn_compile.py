@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from packattn import Tree, Varlen, dispatch
+from packattn.bench.packings import packings, position_ids
 from packattn.nn import Decoder, DecoderConfig, PackedAttention
 
 VOCAB = 40
@@ -128,53 +129,6 @@ def test_packed_attention_compiles_fullgraph():
 TOKENS = 64  # every packing below holds this many rows: a training step's fixed token budget
 
 
-def random_varlen(rng: torch.Generator, num_seqs: int) -> Varlen:
-    """``num_seqs`` (1-30) sequences of TOKENS rows in all, one of length 1 and some empty when there is room."""
-    cuts = torch.randperm(TOKENS - 2, generator=rng)[: num_seqs - 2].add(1).sort().values.tolist() if num_seqs > 2 else []
-    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, TOKENS - 1])] + ([1] if num_seqs > 1 else [])
-    if num_seqs == 1:
-        lengths = [TOKENS]
-    if num_seqs > 3:
-        lengths[1] += lengths[2]
-        lengths[2] = 0  # an empty sequence
-    assert sum(lengths) == TOKENS and len(lengths) == num_seqs
-    return Varlen.from_lengths(lengths)
-
-
-def random_tree(rng: torch.Generator) -> Tree:
-    """A random trie of TOKENS rows from its nodes: each node's parent lies on the path to the previous node
-    (DFS pre-order), or it starts a new root."""
-    num_nodes = int(torch.randint(2, 12, (1,), generator=rng))
-    cuts = torch.randperm(TOKENS - 1, generator=rng)[: num_nodes - 1].add(1).sort().values.tolist()
-    cu = [0, *cuts, TOKENS]
-    parents, path = [], []
-    for _ in range(num_nodes):
-        depth = int(torch.randint(0, len(path) + 1, (1,), generator=rng))  # keep this many ancestors
-        path = path[:depth]
-        parents.append(path[-1] if path else -1)
-        path.append(len(parents) - 1)
-    return Tree.from_nodes(torch.tensor(cu), torch.tensor(parents))
-
-
-def packings(count: int, seed: int = 0) -> list:
-    """``count`` descriptors: Varlen with 1-30 sequences (1 and 30 included) and every third a Tree."""
-    rng = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
-        if i % 3 == 2:
-            out.append(random_tree(rng))
-        else:
-            n = [1, 30][i] if i < 2 else int(torch.randint(2, 31, (1,), generator=rng))
-            out.append(random_varlen(rng, n))
-    return out
-
-
-def position_ids_of(descriptor) -> torch.Tensor:
-    if isinstance(descriptor, Tree):
-        return descriptor.position_ids
-    return torch.cat([torch.arange(n) for n in descriptor.lengths_q])
-
-
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process (its counter is not reset between tests: compare)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -194,7 +148,7 @@ def test_packed_attention_compiles_one_graph_for_every_packing(backends, count):
                                                                                                   backends)}
     compiled = {kind: torch.compile(m, fullgraph=True, backend="aot_eager") for kind, m in modules.items()}
     g = torch.Generator().manual_seed(0)
-    for descriptor in packings(count):
+    for descriptor in packings(TOKENS, count):
         q, k, v = (torch.randn(TOKENS, h, 32, generator=g, requires_grad=True) for h in (4, 2, 2))
         out = compiled[type(descriptor)](q, k, v, attention_masks=descriptor, enable_gqa=True)
         grads = torch.autograd.grad((out * out.detach().sin()).sum(), (q, k, v))
@@ -214,9 +168,9 @@ def test_decoder_compiles_one_graph_for_every_packing():
     model = make_model()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     rng = torch.Generator().manual_seed(3)
-    for descriptor in packings(20, seed=1):
+    for descriptor in packings(TOKENS, 20, seed=1):
         tokens = torch.randint(0, VOCAB, (TOKENS,), generator=rng)
-        batch = (tokens, position_ids_of(descriptor), descriptor)
+        batch = (tokens, position_ids(descriptor), descriptor)
         want = logits_and_grads(model, model, *batch, "auto")
         got = logits_and_grads(compiled, model, *batch, "auto")
         torch.testing.assert_close(got[0], want[0], **TOL)
