@@ -179,7 +179,8 @@ def select(params: Params, requested: str = "auto") -> Backend:
 def _select(params: Params, requested: str) -> Backend:
     """`select` on the eager path (also what `_select_outside_trace` runs, eagerly, for a trace)."""
     forced, disabled = _env()
-    key = (params, requested, forced, disabled)
+    # a decision for a torch.compile trace (`_select_outside_trace`) may differ: some backends cannot be traced
+    key = (params, requested, forced, disabled, torch.compiler.is_compiling())
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)

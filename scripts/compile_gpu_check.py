@@ -38,7 +38,7 @@ def graphs() -> int:
 
 
 def backend_names(descriptor, q, k, v) -> str:
-    """Which backend auto dispatch runs for this call (eagerly, as the trace does)."""
+    """Which backend eager auto dispatch runs for this call (a traced call may take another: FA4 is not traceable)."""
     return dispatch.select(dispatch.call_params(
         descriptor, device_type="cuda", dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1],
         head_dim=q.shape[2], mask=packattn.Mask.make(True), requires_grad=True)).name
@@ -147,7 +147,7 @@ def main() -> int:
     print(f"\n{'check':<16} {'packings':>8} {'graphs':>6}  result")
     for r in rows:
         if "max_rel_err" in r:
-            result = f"max rel err {r['max_rel_err']:.2e}" + (f", backends {r['backends']}" if "backends" in r else "")
+            result = f"max rel err {r['max_rel_err']:.2e}" + (f", eager auto: {r['backends']}" if "backends" in r else "")
         else:
             result = (f"eager {r['eager_ms']:.1f} ms, compiled {r['compiled_ms']:.1f} ms per step "
                       f"({r['speedup']:.2f}x; first compiled step {r['first_compiled_ms'] / 1e3:.1f} s)")
