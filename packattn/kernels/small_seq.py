@@ -114,7 +114,9 @@ def small_seq_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     key_ok = offs_s < kv_len
     d_ok = offs_d < HEAD_DIM
-    q_ok = d_ok & has_q
+    # (tl.where, not ``&``: Triton 3.9's interpreter turns a block mask & a scalar one into int32, which
+    # tl.load refuses as a mask; compiled code is the same either way)
+    q_ok = tl.where(has_q, d_ok, False)
     k = _load_keys(K + kv_head * stride_k_head, kv_start, stride_k_row, offs_s, offs_d, key_ok, HEAD_DIM)
     v = _load_keys(V + kv_head * stride_v_head, kv_start, stride_v_row, offs_s, offs_d, key_ok, HEAD_DIM)
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
@@ -123,7 +125,7 @@ def small_seq_bwd_kernel(
     for h in range(group):
         head = kv_head * group + h
         p = tl.load(P + item.to(tl.int64) * stride_p_item + head * stride_p_head + offs_s,
-                    mask=key_ok & has_q, other=0.0)
+                    mask=tl.where(has_q, key_ok, False), other=0.0)
         q = tl.load(Q + q_row * stride_q_row + head * stride_q_head + offs_d, mask=q_ok, other=0.0).to(tl.float32)
         do = tl.load(dOut + q_row * stride_do_row + head * stride_do_head + offs_d, mask=q_ok, other=0.0)
         do = do.to(tl.float32)
