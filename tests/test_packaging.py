@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import tomllib
 
 import pytest
 import torch
 
 from packattn.backends import triton_base
-
-tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
