@@ -171,6 +171,7 @@ def attention(
         host_lengths=host_lengths, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask=mask,
         return_lse=return_lse, deterministic=deterministic,
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        traced=compiling,
     )
     chosen = dispatch.select(params, backend)
     problem = Problem(qt, kt, vt, seqs, mask, float(scale), return_lse, deterministic, dense)

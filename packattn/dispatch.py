@@ -58,6 +58,7 @@ class Params:
     return_lse: bool
     deterministic: bool
     requires_grad: bool
+    traced: bool = False  # the call is being traced by torch.compile (some backends cannot be)
 
     @staticmethod
     def bucket(length: int) -> int:
@@ -179,8 +180,7 @@ def select(params: Params, requested: str = "auto") -> Backend:
 def _select(params: Params, requested: str) -> Backend:
     """`select` on the eager path (also what `_select_outside_trace` runs, eagerly, for a trace)."""
     forced, disabled = _env()
-    # a decision for a torch.compile trace (`_select_outside_trace`) may differ: some backends cannot be traced
-    key = (params, requested, forced, disabled, torch.compiler.is_compiling())
+    key = (params, requested, forced, disabled)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
@@ -217,7 +217,8 @@ def _constant_key(params: Params) -> tuple:
     heads_q, heads_kv, head_dim, head_dim_v, max_q, max_kv = (operator.index(n) for n in ints)
     pad, is_self, host, lse, deterministic, grad = (True if flag else False for flag in flags)
     return (params.device_type, params.dtype, heads_q, heads_kv, head_dim, head_dim_v, params.kind, pad, is_self,
-            host, max_q, max_kv, (m.causal, m.window, m.chunk_size, m.align), lse, deterministic, grad)
+            host, max_q, max_kv, (m.causal, m.window, m.chunk_size, m.align), lse, deterministic, grad,
+            True if params.traced else False)
 
 
 def _select_outside_trace(*key, requested: str) -> str:

@@ -40,7 +40,7 @@ class Fa4Backend(Backend):
         return None
 
     def unsupported(self, params) -> str | None:
-        if torch.compiler.is_compiling():  # (dispatch decides outside the trace, but knows it is for one)
+        if params.traced:
             return ("not traceable by torch.compile (flash_attn.cute's autograd function calls what dynamo skips); "
                     "compiled graphs take the next backend")
         why = flash_kernel_unsupported(params)
