@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 import packattn
-from packattn.nn.hf_mask import DESCRIPTOR_KWARG, NAME, HFMask
+from packattn.nn.hf_mask import DESCRIPTOR_KWARG, NAME, HFMask, read_on_host
 from packattn.tree import Tree
 from packattn.varlen import Varlen
 
@@ -83,6 +83,7 @@ def _given_descriptor(mask: HFMask, kwargs: dict) -> Varlen | Tree | None:
         raise ValueError("a packed batch cannot be combined with cached keys or a padding mask: pass use_cache=False "
                          f"and no attention_mask with {DESCRIPTOR_KWARG}= or cu_seq_lens_q=")
     if given is None:
+        read_on_host("cu_seq_lens_q")
         return mask.cached("cu_seq_lens_q", lambda: Varlen.from_cu_seqlens(
             cu, max_seqlen_q=int(kwargs.get("max_length_q") or int(cu.diff().max()))))
     if not isinstance(given, (Varlen, Tree)):
@@ -99,6 +100,7 @@ def _descriptor(mask: HFMask, kwargs: dict, batch: int) -> Varlen | Tree | None:
         return mask.cached("padding", lambda: _varlen_from_spans(mask, batch))
     position_ids = kwargs.get("position_ids")
     if mask.fresh and position_ids is not None:
+        read_on_host("the position_ids (to find packed sequences)")
         return mask.cached("position_ids", lambda: _varlen_from_position_ids(position_ids, batch, mask.q_length))
     if mask.packed:
         raise ValueError("transformers found packed sequences but the attention call got no position_ids; "
@@ -107,15 +109,15 @@ def _descriptor(mask: HFMask, kwargs: dict, batch: int) -> Varlen | Tree | None:
 
 
 # ------------------------------------------------------------------------------ attention function
-def _check_call(module, mask, query, key, dropout, kwargs) -> HFMask:
-    """The call's `HFMask` (one made from the module when the model built no mask); raises on anything
-    the mask or packattn cannot honour."""
-    if mask is None:  # the model built no mask: its own causality flag decides
-        causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+def _check_call(module, mask, query, key, dropout, kwargs) -> tuple[HFMask, bool, int | None]:
+    """(mask, causal, sliding window) of the call: its `HFMask` (one made from the module when the model
+    built no mask) and what the layer runs; raises on anything the mask or packattn cannot honour."""
+    layer_causal = kwargs.get("is_causal")
+    layer_causal = bool(getattr(module, "is_causal", True) if layer_causal is None else layer_causal)
+    if mask is None:  # the model built no mask: the layer decides
         q_len, kv_len = query.shape[2], key.shape[2]
-        mask = HFMask(batch_size=query.shape[0], causal=causal, window=None, packed=False, q_length=q_len,
-                      kv_length=kv_len, q_shift=kv_len - q_len if causal else None)
+        mask = HFMask(batch_size=query.shape[0], causal=layer_causal, window=None, packed=False, q_length=q_len,
+                      kv_length=kv_len, q_shift=kv_len - q_len if layer_causal else None)
     elif not isinstance(mask, HFMask):
         raise TypeError(f"attn_implementation='{NAME}' cannot honour a precomputed attention mask "
                         f"({type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}); "
@@ -127,6 +129,8 @@ def _check_call(module, mask, query, key, dropout, kwargs) -> HFMask:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='{NAME}' does not support {name}; "
                                       "use attn_implementation='eager' for this model")
+    if mask.from_layer:
+        return mask, layer_causal, kwargs.get("sliding_window")
     if kwargs.get("is_causal") is not None and bool(kwargs["is_causal"]) != mask.causal:
         raise ValueError(f"the call asks for is_causal={kwargs['is_causal']} but the model's mask has "
                          f"causal={mask.causal}")
@@ -135,24 +139,24 @@ def _check_call(module, mask, query, key, dropout, kwargs) -> HFMask:
     if (query.shape[2], key.shape[2]) != (mask.q_length, mask.kv_length):
         raise ValueError(f"the mask was built for {mask.q_length} queries and {mask.kv_length} keys, the layer has "
                          f"{query.shape[2]} and {key.shape[2]}")
-    return mask
+    return mask, mask.causal, mask.window
 
 
 def packattn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention hook: query ``(batch, heads_q, seq_q, d)``, key/value
     ``(batch, heads_kv, seq_kv, d)`` -> ``(out (batch, seq_q, heads_q, d_v), None)``."""
-    mask = _check_call(module, attention_mask, query, key, dropout, kwargs)
-    window = None if mask.window is None else (mask.window - 1, 0)
+    mask, causal, window = _check_call(module, attention_mask, query, key, dropout, kwargs)
+    window = None if window is None else (window - 1, 0)
     batch, heads_q, seq_q, _ = query.shape
     # (batch, seq, heads, d); keys past the last query are empty static-cache slots
     q = query.transpose(1, 2)
     k, v = (t[:, :, :mask.kv_used].transpose(1, 2) for t in (key, value))
     seqs = _descriptor(mask, kwargs, batch)
     if seqs is None:
-        out = packattn.attention(q, k, v, causal=mask.causal, window=window, scale=scaling, layout="bshd")
+        out = packattn.attention(q, k, v, causal=causal, window=window, scale=scaling, layout="bshd")
         return out, None
-    if isinstance(seqs, Tree) and (not mask.causal or window is not None):
+    if isinstance(seqs, Tree) and (not causal or window is not None):
         raise ValueError("a packattn.Tree is causal by construction; this layer asks for a non-causal or windowed mask")
     thd = [t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v)]
-    out = packattn.attention(*thd, seqs, causal=mask.causal, window=window, scale=scaling)
+    out = packattn.attention(*thd, seqs, causal=causal, window=window, scale=scaling)
     return out.view(batch, seq_q, heads_q, out.shape[-1]), None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 try:
+    from transformers import masking_utils
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 except ImportError as err:  # pragma: no cover
     raise ImportError(f"packattn.nn.hf needs transformers>=5 (pip install 'packattn[hf]'): {err}") from err
@@ -54,6 +55,9 @@ class HFMask:
     q_shift: int | None = 0
     # per batch row, the real key rows [start, end); None: rows [0, kv_used) of every row
     spans: tuple[tuple[int, int], ...] | None = None
+    # causal and window are the layer's (its is_causal and sliding_window): set while torch.compile traces,
+    # where transformers' mask function cannot be taken apart
+    from_layer: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -108,6 +112,35 @@ def _mask_pieces(fn) -> tuple[list, bool]:
     return [fn], False
 
 
+def _nested_code(make) -> object:
+    """The code object of the nested functions a transformers mask builder returns (None if it has none)."""
+    try:
+        return make().__code__
+    except (AttributeError, TypeError):  # a builder this transformers does not have
+        return None
+
+
+# while torch.compile traces, a nested function's closure cannot be read, only its code object
+_COMPOSED_CODES = tuple(code for code in (
+    _nested_code(lambda: masking_utils.and_masks(causal_mask_function)),
+    _nested_code(lambda: masking_utils.remap_positions_for_packed_sequence(causal_mask_function, None)),
+) if code is not None)
+
+
+def read_traced_mask_function(fn) -> tuple[bool, bool]:
+    """(causal, from_layer) of a mask function inside a traced graph: causal and bidirectional read
+    directly; ``and_masks`` and the packed-position remapping (whose pieces cannot be read there) leave
+    causality and window to the layer; anything else raises."""
+    if fn is causal_mask_function or fn is bidirectional_mask_function:
+        return fn is causal_mask_function, False
+    if any(getattr(fn, "__code__", None) is code for code in _COMPOSED_CODES):
+        return True, True
+    raise NotImplementedError(
+        f"attn_implementation='{NAME}' cannot read this transformers mask function inside a graph traced by "
+        "torch.compile (it is not built from and_masks: e.g. or_masks for image tokens or bidirectional "
+        "windows); use attn_implementation='sdpa' or 'eager' for this model, or run it uncompiled")
+
+
 def read_mask_function(fn) -> tuple[bool, int | None, bool]:
     """(causal, sliding window, packed) of a transformers mask function; NotImplementedError on a piece
     packattn cannot honour (it is never dropped silently)."""
@@ -115,7 +148,7 @@ def read_mask_function(fn) -> tuple[bool, int | None, bool]:
     window = None
     leaves, packed = _mask_pieces(fn)
     for piece in leaves:
-        name = getattr(piece, "__qualname__", repr(piece))
+        name = getattr(piece, "__qualname__", None) or type(piece).__name__
         if piece is causal_mask_function:
             causal = True
         elif piece is bidirectional_mask_function:
@@ -158,14 +191,15 @@ def _padding_spans(attention_mask: torch.Tensor, kv_offset: int, kv_used: int) -
     return tuple((start, start + count) if count else (0, 0) for start, count, _ in summary)
 
 
-def _read_on_host(what: str) -> None:
+def read_on_host(what: str) -> None:
     """Raise, naming the fix, where reading ``what`` on the host would break a graph being traced."""
     if torch.compiler.is_compiling():
         raise NotImplementedError(
             f"attn_implementation='{NAME}' reads {what} on the host, which a graph traced by torch.compile cannot do: "
-            "compile without fullgraph=True (generate() compiles so by itself: its static-cache masks are built "
-            f"before the compiled forward), run uncompiled, or pack the batch and pass {DESCRIPTOR_KWARG}= "
-            "with no attention_mask and no static cache")
+            f"pass {DESCRIPTOR_KWARG}= (a packattn.Varlen of the batch's sequences, e.g. Varlen.from_lengths"
+            "([seq_len] * batch) for unpacked rows) with no attention_mask and no static cache, compile without "
+            "fullgraph=True (generate() does so by itself and builds its static-cache masks before the compiled "
+            "forward), or run uncompiled")
 
 
 def _query_shift(q_offset, kv_offset, q_length: int, kv_length: int, cache_position) -> int:
@@ -177,7 +211,7 @@ def _query_shift(q_offset, kv_offset, q_length: int, kv_length: int, cache_posit
     if isinstance(q_offset, torch.Tensor):
         if q_length == kv_length:
             return 0
-        _read_on_host("the query offset of a static cache")
+        read_on_host("the query offset of a static cache")
         q_offset = int(q_offset.reshape(-1)[0]) if q_offset.numel() else 0
     return int(q_offset) - int(kv_offset)
 
@@ -194,7 +228,11 @@ def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offs
             raise ValueError(f"the packattn mask passed in was built for {attention_mask.shape}, this forward needs "
                              f"{(batch_size, 1, q_length, kv_length)}")
         return attention_mask
-    causal, window, packed = read_mask_function(mask_function)
+    from_layer = False
+    if torch.compiler.is_compiling():
+        (causal, from_layer), window, packed = read_traced_mask_function(mask_function), None, False
+    else:
+        causal, window, packed = read_mask_function(mask_function)
     q_shift = None
     if causal or window is not None:
         q_shift = _query_shift(q_offset, kv_offset, q_length, kv_length, cache_position)
@@ -204,11 +242,11 @@ def packattn_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offs
                 f"{q_length} queries starting at key row {q_shift} of {kv_length} keys (a cache transformers sizes "
                 "differently); use DynamicCache or StaticCache")
     mask = HFMask(batch_size=int(batch_size), causal=causal, window=window, packed=packed, q_length=int(q_length),
-                  kv_length=int(kv_length), q_shift=q_shift)
+                  kv_length=int(kv_length), q_shift=q_shift, from_layer=from_layer)
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise TypeError(f"attn_implementation='{NAME}' takes a 2-D padding mask, got shape "
                             f"{tuple(attention_mask.shape)}")
-        _read_on_host("the attention_mask")
+        read_on_host("the attention_mask")
         mask.spans = _padding_spans(attention_mask, int(kv_offset), mask.kv_used)
     return mask
