@@ -53,7 +53,7 @@ def test_floor_pins_follow_every_lower_bound():
 
 
 def test_license_file_matches_the_declared_license():
-    assert _project()["license"] == {"text": "Apache-2.0"}
+    assert _project()["license"] == "Apache-2.0" and _project()["license-files"] == ["LICENSE"]
     with open(os.path.join(ROOT, "LICENSE")) as f:
         text = f.read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
