@@ -30,6 +30,12 @@ What runs, and what equals the model run per sequence with ``attn_implementation
   uncompiled).
 
 Without packing or padding, a ``(batch, seq)`` batch runs as dense ``bshd`` attention.
+
+Under ``torch.compile(fullgraph=True)`` pass ``packattn_descriptor=``: transformers' mask function cannot
+be taken apart inside a traced graph, so the layer's ``is_causal`` and ``sliding_window`` decide there,
+and whatever needs a host read (position-id packing, ``cu_seq_lens_q``, a padding mask, a static
+cache's query offset) raises a message that names the fix. Without fullgraph those reads break the
+graph and run eagerly; ``generate()`` builds static-cache masks before its compiled forward.
 """
 
 from __future__ import annotations
