@@ -35,7 +35,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from packattn.varlen import Varlen
 
 
+# submodules that ``import packattn`` used to load eagerly: ``packattn.tree.Tree`` after a bare ``import packattn``
+# still works, loading the submodule on first access
+_SUBMODULES = ("api", "backends", "dispatch", "env", "mask", "small_seq", "tree", "varlen")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"packattn.{name}")  # (the import sets the attribute)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'packattn' has no attribute {name!r}")
@@ -45,4 +52,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -28,6 +28,12 @@ def test_import_packattn_loads_no_torch():
     assert "torch" not in mods and not any(m.startswith("packattn.") for m in mods), sorted(mods)
 
 
+def test_submodules_load_on_first_access():
+    """``import packattn`` then ``packattn.tree.Tree`` works as when the package imported its submodules eagerly."""
+    mods = loaded_after("import packattn\nassert packattn.tree.Tree is packattn.Tree\nassert packattn.dispatch.select")
+    assert {"packattn.tree", "packattn.dispatch"} <= mods
+
+
 def test_public_names_load_no_backend():
     mods = loaded_after("import torch\nfrom packattn import attention, Varlen, Tree, Mask, NoBackendError, "
                         "DotProductAttention")
