@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+import packattn
 from packattn import __version__, cli
 from packattn.backends import REGISTRY
+from packattn.mask import Mask
 
 
 def test_info_lists_every_backend(capsys):
@@ -219,3 +221,75 @@ def test_bench_rounds_merge_to_the_median_of_each_time(capsys):
     assert "median of 3 rounds" in out and "spread 30%/18%" in out
     with pytest.raises(ValueError, match="rounds"):
         runner.run_bench(rounds=0)
+
+
+# ------------------------------------------------------------------------------------ --version, explain
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"packattn {__version__}"
+
+
+def _explain(capsys, *args):
+    code = cli.main(["explain", *args])
+    return code, capsys.readouterr().out
+
+
+def test_explain_names_the_pick_and_every_other_reason(capsys, monkeypatch):
+    """The pick is what `dispatch.select` returns for the same call; every backend has one line."""
+    from packattn import dispatch
+
+    monkeypatch.delenv("PACKATTN_BACKEND", raising=False)
+    monkeypatch.delenv("PACKATTN_DISABLE", raising=False)
+    code, text = _explain(capsys, "--lengths", "300,0,1,1200", "--heads", "8/2", "--head-dim", "64",
+                          "--dtype", "float32", "--device", "cpu", "--causal", "--window=128,0", "--lse")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0] == ("call: varlen cpu float32 heads 8/2 d=64, causal+window=(128, 0), lse, grad, longest >512, "
+                        "backend='auto'")
+    assert "4 sequences: 1501 query / 1501 key rows, longest 1200 / 1200" in lines[1]
+    seqs = packattn.Varlen.from_lengths([300, 0, 1, 1200])
+    params = dispatch.call_params(seqs, device_type="cpu", dtype=torch.float32, heads_q=8, heads_kv=2, head_dim=64,
+                                  mask=Mask.make(True, (128, 0)), return_lse=True, requires_grad=True)
+    chosen = dispatch.select(params).name
+    assert f"picks: {chosen}" in lines
+    for name, why in dispatch.reasons(params):
+        want = "<- picked" if name == chosen else (why or "could run it (lower priority)")
+        assert any(ln.split(None, 1) == [name, want] for ln in lines), (name, want, text)
+
+
+def test_explain_tree_dense_and_small_seq(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, text = _explain(capsys, "--workload", "W6", "--device", "cpu")
+    assert code == 0 and text.startswith("call: tree cpu bfloat16 heads 16/16 d=128, causal, grad, longest >512")
+    assert "tree of 16 sequences: 20480 packed rows (49152 expanded), deepest 3072" in text
+    assert "picks: reference" in text and "sdpa          tree descriptors need a tree-aware backend" in text
+    code, text = _explain(capsys, "--kind", "dense", "--lengths", "4x256", "--device", "cpu", "--no-grad")
+    assert code == 0 and "call: dense cpu bfloat16 heads 16/16 d=128, full, longest 17-512" in text
+    assert "dense batch 4 x 256 queries x 256 keys" in text
+    code, text = _explain(capsys, "--lengths", "1000x1", "--lengths-kv", "1000x16", "--device", "cpu")
+    assert code == 0 and ", full, grad, longest 1/16," in text
+
+
+def test_explain_follows_the_environment_and_says_when_nothing_fits(capsys, monkeypatch):
+    monkeypatch.setenv("PACKATTN_DISABLE", "sdpa,reference")
+    code, text = _explain(capsys, "--device", "cpu", "--lengths", "5,7")
+    assert code == 1 and "picks: nothing (no backend can run this call)" in text
+    assert "sdpa          disabled by PACKATTN_DISABLE" in text
+    monkeypatch.setenv("PACKATTN_DISABLE", "")
+    code, text = _explain(capsys, "--device", "cpu", "--lengths", "5,7", "--backend", "reference")
+    assert code == 0 and "picks: reference" in text and "not the requested backend (reference)" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "5,x"], "--lengths: 'x' is not a length or NxL"),
+    (["--lengths", "5,-2"], "negative"),
+    (["--heads", "16/a"], "--heads: '16/a' is not N or N/M"),
+    (["--workload", "W99"], "--workload 'W99': known workloads are W1"),
+    (["--kind", "dense", "--lengths", "3,4"], "--kind dense takes equal lengths"),
+    (["--backend", "fast"], "unknown backend backend='fast'"),
+])
+def test_explain_bad_descriptions_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["explain", "--device", "cpu", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
