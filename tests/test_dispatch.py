@@ -334,9 +334,6 @@ def test_packattn_log_dispatch_prints_without_logging_setup(tmp_path):
     assert ", causal, longest 5 (backend=auto) -> sdpa" in lines[0] and ", full, longest 5 (backend=auto)" in lines[1]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="triton_varlen.py still defines its own copy (the one-line change proposed in issue 25's "
-                          "item 4): remove this mark when it imports backends.lengths")
 def test_the_short_batch_rule_has_one_place():
     """Dispatch keys FA4's deferral and the triton backend picks its short-batch tiles on one rule,
     `packattn.backends.lengths` (light enough for dispatch to import)."""

@@ -28,6 +28,7 @@ from packattn import env
 from packattn import mask as masks
 from packattn.backends import fast_launch, fast_op, triton_bwd_gluon, triton_fwd_gluon
 from packattn.backends.base import Problem
+from packattn.backends.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (re-exported)
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.backends.triton_launch import (  # noqa: F401 (configs re-exported: benchmarks, scripts)
     FALLBACK_CONFIGS, FP32_CONFIGS, HOPPER_CONFIGS, PREPROCESS_BLOCK_M, LaunchConfig, _last_dim_contiguous, _launch,
@@ -41,16 +42,8 @@ TILE_FIELDS = 6  # seq, start, lo, mid_lo, mid_hi, hi
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs
 # (`triton_launch.HOPPER_LONG_FWD_CONFIGS`, where the measurements are; `triton_fwd_gluon.config_for`).
 LONG_SEQLEN = 8192
-# No sequence longer than SHORT_SEQLEN (queries or keys): the Gluon forward and dQ take their short-sequence
-# configs at d = 128 (`triton_fwd_gluon.SHORT_CONFIGS`, `triton_bwd_gluon.DQ_SHORT_CONFIGS`): faster on
-# documents of 256 and 512 rows, slower on 1024 (H200, results/2026-11-24/s8_short_docs_sweep_h200.txt).
-SHORT_SEQLEN = 512
-
-
-def short_batch(max_seqlen_q: int, max_seqlen_kv: int) -> bool:
-    """No sequence longer than `SHORT_SEQLEN`, queries or keys (also what auto dispatch keys FA4's deferral on,
-    `dispatch.Params.short_seqs`)."""
-    return max(max_seqlen_q, max_seqlen_kv) <= SHORT_SEQLEN
+# SHORT_SEQLEN / short_batch (`packattn.backends.lengths`, shared with dispatch): the Gluon forward and dQ take
+# their short-sequence configs at d = 128 (`triton_fwd_gluon.SHORT_CONFIGS`, `triton_bwd_gluon.DQ_SHORT_CONFIGS`).
 
 
 # ---------------------------------------------------------------- tile tables (per batch, device ops only)
