@@ -61,6 +61,16 @@ def _as_tree(seqs):
     return seqs if isinstance(seqs, Tree) else None
 
 
+def check_tree_mask(causal, window, chunk_size) -> None:
+    """A Tree is its own mask, causal by definition: ``causal`` unset (None) or True, no window or chunks."""
+    if causal is False:
+        raise ValueError("a Tree is causal by definition (a token sees its ancestors and its own node up to "
+                         "itself): leave causal unset or pass causal=True")
+    if causal not in (None, True) or window is not None or chunk_size is not None:
+        raise ValueError("a Tree defines its own mask (ancestors and the causal prefix of the own node): "
+                         "causal='top_left', window and chunk_size do not apply")
+
+
 def _to_thd(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "sbhd":
         x = x.transpose(0, 1)
@@ -73,7 +83,7 @@ def attention(
     v: torch.Tensor,
     seqs: Varlen | Tree | None = None,
     *,
-    causal: bool | str = False,
+    causal: bool | str | None = None,
     window: tuple[int, int] | None = None,
     chunk_size: int | None = None,
     scale: float | None = None,
@@ -110,9 +120,7 @@ def attention(
     if tree is not None:
         if layout != "thd":
             raise ValueError(f"a Tree descriptor needs layout='thd', got {layout!r}")
-        if causal not in (False, True) or window is not None or chunk_size is not None:
-            raise ValueError("a Tree defines its own mask (ancestors and the causal prefix of the own node): "
-                             "causal='top_left', window and chunk_size do not apply")
+        check_tree_mask(causal, window, chunk_size)
         seqs = tree.to(q.device)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[0] != seqs.total:
@@ -193,7 +201,7 @@ class DotProductAttention(nn.Module):
     def __init__(
         self,
         *,
-        causal: bool | str = False,
+        causal: bool | str | None = None,
         window: tuple[int, int] | None = None,
         chunk_size: int | None = None,
         scale: float | None = None,

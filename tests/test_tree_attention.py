@@ -151,9 +151,6 @@ def test_tree_rejects_foreign_mask_options():
         packattn.attention(q[:-1], k[:-1], v[:-1], tree)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception),
-                   reason="the api.py / cp change proposed in issue 25's item 6 (causal unset = the descriptor's "
-                          "rule): remove this mark when it lands")
 def test_tree_is_causal_by_definition():
     """``causal=False`` with a Tree is an error (it used to run the tree's causal mask anyway, while "top_left"
     was refused); left unset, causal means the descriptor's own rule: the tree's, or none for a Varlen."""

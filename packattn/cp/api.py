@@ -23,7 +23,7 @@ def attention(
     v: torch.Tensor,
     plan: CPPlan,
     *,
-    causal: bool | str = False,
+    causal: bool | str | None = None,
     window: tuple[int, int] | None = None,
     chunk_size: int | None = None,
     scale: float | None = None,

@@ -42,6 +42,7 @@ import dataclasses
 
 import torch
 
+from packattn.api import check_tree_mask
 from packattn.cp.allgather import _flat_kv, _key_rows, _split_kv
 from packattn.cp.comm import gather_rows
 from packattn.cp.plan import CPPlan, document_ranks, gathered_layout, rows_layout, zigzag_rank
@@ -153,15 +154,13 @@ def build_layout(plan: CPPlan, device) -> TreeLayout:
                       max_send, own.nonzero().flatten().to(device), bool(own.all()))
 
 
-def attention(q, k, v, plan: CPPlan, *, causal=False, window=None, chunk_size=None, return_lse=False, **options):
+def attention(q, k, v, plan: CPPlan, *, causal=None, window=None, chunk_size=None, return_lse=False, **options):
     """`packattn.attention` of this rank's rows over its local tree (see the module docstring);
     ``options`` go to `packattn.attention`. A rank that holds no row gets empty results that still
     take part in autograd (and in the collectives, when a root is cut)."""
     import packattn
 
-    if causal not in (False, True) or window is not None or chunk_size is not None:  # before any collective
-        raise ValueError("a Tree defines its own mask (ancestors and the causal prefix of the own node): "
-                         "causal='top_left', window and chunk_size do not apply")
+    check_tree_mask(causal, window, chunk_size)  # before any collective
     layout = plan.cached(("tree", str(q.device)), lambda: build_layout(plan, q.device))
     k_buf, v_buf = _local_kv(k, v, plan, layout)
     q_buf = q if layout.identity else torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
