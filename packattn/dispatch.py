@@ -78,7 +78,7 @@ class Params:
 
     @property
     def short_seqs(self) -> bool:
-        """No sequence longer than `triton_varlen.SHORT_SEQLEN` (queries or keys): `triton_varlen.short_batch`."""
+        """No sequence longer than `backends.lengths.SHORT_SEQLEN` (queries or keys): `backends.lengths.short_batch`."""
         return short_batch(self.max_seqlen_q, self.max_seqlen_kv)
 
 

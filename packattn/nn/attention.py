@@ -25,6 +25,7 @@ any other dimension is refused: sequence sharding is context parallelism, not a 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +36,11 @@ from packattn.mask import Mask
 from packattn.tree import Tree
 from packattn.varlen import Varlen
 
-try:  # torch built without distributed support has no DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
-
-try:
-    from torch.distributed.tensor.experimental import local_map
-except ImportError:  # pragma: no cover
-    local_map = None
+def _dtensor_class():
+    """``torch.distributed.tensor.DTensor`` when that module is loaded, else None: no input can be a DTensor
+    before it is, and importing it costs about a second (so ``import packattn.nn`` does not)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def _descriptor_rows(descriptor) -> tuple[int, int]:
@@ -85,7 +82,7 @@ def _dense(q, k, v, options: dict) -> torch.Tensor:
 def _check_tensor_parallel(q, k, v) -> None:
     """Raise unless q, k, v are DTensors on one mesh with one placement, sharded on heads or replicated."""
     for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, DTensor):
+        if not isinstance(t, _dtensor_class()):
             raise TypeError(f"q is a DTensor but {name} is a {type(t).__name__}; pass all three as DTensors or none")
         if t.device_mesh != q.device_mesh or tuple(t.placements) != tuple(q.placements):
             raise ValueError(f"q and {name} must share a mesh and placements, got {q.placements} and {t.placements}")
@@ -110,10 +107,12 @@ def run_on_local_shards(fn, q, k, v):
     q's placements. Uses ``local_map`` when this torch has it, else ``to_local`` / ``from_local``."""
     _check_tensor_parallel(q, k, v)
     placements, mesh = list(q.placements), q.device_mesh  # a list: local_map reads a tuple as one per output
-    if local_map is not None:
-        return local_map(fn, out_placements=placements, in_placements=(placements,) * 3, device_mesh=mesh)(q, k, v)
-    out = fn(q.to_local(), k.to_local(), v.to_local())
-    return DTensor.from_local(out, mesh, placements, run_check=False)
+    try:
+        from torch.distributed.tensor.experimental import local_map
+    except ImportError:  # pragma: no cover (older torch)
+        out = fn(q.to_local(), k.to_local(), v.to_local())
+        return _dtensor_class().from_local(out, mesh, placements, run_check=False)
+    return local_map(fn, out_placements=placements, in_placements=(placements,) * 3, device_mesh=mesh)(q, k, v)
 
 
 class PackedAttention(nn.Module):
@@ -157,7 +156,8 @@ class PackedAttention(nn.Module):
                 return _dense(q, k, v, options)
             return _packed(q, k, v, attention_masks, options)
 
-        if DTensor is not None and isinstance(q, DTensor):
+        dtensor = _dtensor_class()
+        if dtensor is not None and isinstance(q, dtensor):
             return run_on_local_shards(local, q, k, v)
         return local(q, k, v)
 
