@@ -116,7 +116,7 @@ def test_dtensor_heads_sharded_world_1(mesh_world_1, monkeypatch, path, layout):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if path == "to_local":
-        monkeypatch.setattr(nn_attention, "local_map", None)  # a torch without local_map
+        monkeypatch.setattr(nn_attention, "_local_map", lambda: None)  # a torch without local_map
     seqs = Varlen.from_lengths([5, 3]) if layout == "thd" else None
     q, k, v = qkv(8) if layout == "thd" else qkv(2, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -43,6 +43,15 @@ def _dtensor_class():
     return getattr(module, "DTensor", None)
 
 
+def _local_map():
+    """``torch.distributed.tensor.experimental.local_map``, or None on a torch without it."""
+    try:
+        from torch.distributed.tensor.experimental import local_map
+    except ImportError:  # pragma: no cover (older torch)
+        return None
+    return local_map
+
+
 def _descriptor_rows(descriptor) -> tuple[int, int]:
     """(query rows, key rows) that ``descriptor`` describes."""
     if isinstance(descriptor, Tree):
@@ -107,9 +116,8 @@ def run_on_local_shards(fn, q, k, v):
     q's placements. Uses ``local_map`` when this torch has it, else ``to_local`` / ``from_local``."""
     _check_tensor_parallel(q, k, v)
     placements, mesh = list(q.placements), q.device_mesh  # a list: local_map reads a tuple as one per output
-    try:
-        from torch.distributed.tensor.experimental import local_map
-    except ImportError:  # pragma: no cover (older torch)
+    local_map = _local_map()
+    if local_map is None:
         out = fn(q.to_local(), k.to_local(), v.to_local())
         return _dtensor_class().from_local(out, mesh, placements, run_check=False)
     return local_map(fn, out_placements=placements, in_placements=(placements,) * 3, device_mesh=mesh)(q, k, v)
