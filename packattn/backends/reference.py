@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from packattn import mask as masks
 from packattn.backends.base import Backend, Problem
+from packattn.backends.reference_traced import masked_softmax, traced_reference_attention
 from packattn.varlen import Varlen
 
 SCORE_BUDGET = 2**25  # score elements per chunk
@@ -26,6 +27,8 @@ class ReferenceBackend(Backend):
         return None
 
     def run(self, problem: Problem):
+        if torch.compiler.is_compiling():  # one graph for every packing (see the module)
+            return traced_reference_attention(problem, tree=not isinstance(problem.seqs, Varlen))
         if not isinstance(problem.seqs, Varlen):  # a packattn.Tree
             return reference_tree_attention(problem)
         return reference_attention(problem)
@@ -40,15 +43,8 @@ def _chunk(q, k, v, seq_len_q, seq_len_kv, q_pos, mask, scale, compute_dtype):
     s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.to(compute_dtype)) * scale
     k_pos = torch.arange(Lk, device=q.device)
     vis = masks.visible(mask, q_pos[None, :, None], k_pos[None, None, :], seq_len_q[:, None, None], seq_len_kv[:, None, None])
-    s = s.masked_fill(~vis[:, None, None], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m_safe)
-    l = p.sum(dim=-1, keepdim=True)
-    empty = l == 0
-    l_safe = torch.where(empty, torch.ones_like(l), l)
-    o = torch.einsum("bhgqk,bkhd->bqhgd", p / l_safe, v.to(compute_dtype))
-    lse = torch.where(empty, torch.full_like(l, float("-inf")), m_safe + torch.log(l_safe))
+    p, lse = masked_softmax(s, vis[:, None, None])
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(compute_dtype))
     return o.reshape(B, cq, Hq, v.shape[-1]), lse.reshape(B, Hq, cq)
 
 

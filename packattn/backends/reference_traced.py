@@ -18,13 +18,9 @@ from packattn.backends.base import Problem
 from packattn.varlen import lengths_then_zero
 
 
-def attend(q, k, v, visible, scale: float, compute_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (rows_q, heads_q, dv), lse (heads_q, rows_q))`` of q over k, v where ``visible``
-    (``rows_q x rows_kv``, bool) allows; a row that sees nothing gives zeros and lse -inf."""
-    rows_q, heads_q, d = q.shape
-    heads_kv = k.shape[1]
-    qg = q.to(compute_dtype).view(rows_q, heads_kv, heads_q // heads_kv, d)
-    s = torch.einsum("qhgd,khd->hgqk", qg, k.to(compute_dtype)) * scale
+def masked_softmax(s: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, lse)`` of scores ``s`` (keys last) where ``visible`` allows: a row that sees no key gets p = 0
+    and lse -inf (``lse`` keeps a trailing dimension of 1). The eager reference's chunks use it too."""
     s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -32,8 +28,18 @@ def attend(q, k, v, visible, scale: float, compute_dtype) -> tuple[torch.Tensor,
     total = p.sum(dim=-1, keepdim=True)
     empty = total == 0
     total = torch.where(empty, torch.ones_like(total), total)
-    out = torch.einsum("hgqk,khd->qhgd", p / total, v.to(compute_dtype))
-    lse = torch.where(empty, torch.full_like(total, float("-inf")), m + torch.log(total))
+    return p / total, torch.where(empty, torch.full_like(total, float("-inf")), m + torch.log(total))
+
+
+def attend(q, k, v, visible, scale: float, compute_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (rows_q, heads_q, dv), lse (heads_q, rows_q))`` of q over k, v where ``visible``
+    (``rows_q x rows_kv``, bool) allows; a row that sees nothing gives zeros and lse -inf."""
+    rows_q, heads_q, d = q.shape
+    heads_kv = k.shape[1]
+    qg = q.to(compute_dtype).view(rows_q, heads_kv, heads_q // heads_kv, d)
+    s = torch.einsum("qhgd,khd->hgqk", qg, k.to(compute_dtype)) * scale
+    p, lse = masked_softmax(s, visible)
+    out = torch.einsum("hgqk,khd->qhgd", p, v.to(compute_dtype))
     return out.reshape(rows_q, heads_q, v.shape[-1]), lse.reshape(heads_q, rows_q)
 
 
