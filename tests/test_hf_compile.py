@@ -50,6 +50,7 @@ def _step(fn, model, batch):
 def test_packed_training_compiles_once_for_all_packings(model):
     from torch._dynamo.utils import counters
 
+    graphs_before = counters["stats"]["unique_graphs"]  # (not reset between tests on every torch version)
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break raises
     for seed, lengths in enumerate(PACKINGS):
         batch = _packed(lengths, seed)
@@ -61,7 +62,7 @@ def test_packed_training_compiles_once_for_all_packings(model):
         torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-5, msg=name)
-    assert counters["stats"]["unique_graphs"] <= 2
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 2
 
 
 def test_position_ids_packing_under_compile_names_the_fix(model):
