@@ -154,33 +154,12 @@ def attention(
         seqs = make(batch, sq, sk, q.device)
         qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
 
-    # Under torch.compile the descriptor's per-batch host values (lengths, counts) are symbolic: dispatch reads
-    # them without branching (`Params.traced_buckets`) and backends do not use the host copies of the lengths,
-    # so one graph serves every packing.
-    compiling = torch.compiler.is_compiling()
-    if tree is not None:
-        kind, pad_between_seqs, is_self, host_lengths = "tree", False, True, True
-        if compiling:
-            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(2, 2)  # trees are not small-seq batches
-        else:
-            max_seqlen_q = max_seqlen_kv = dispatch.Params.bucket(tree.max_depth)
-    else:
-        kind, pad_between_seqs, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
-        host_lengths = not compiling and seqs.lengths_q is not None  # (traced, a tuple read is a guard)
-        if compiling:
-            max_seqlen_q, max_seqlen_kv = dispatch.Params.traced_buckets(*seqs.traced_max_seqlens())
-        else:
-            max_seqlen_q = dispatch.Params.bucket(seqs.max_seqlen_q)
-            max_seqlen_kv = dispatch.Params.bucket(seqs.max_seqlen_kv)
     return_lse, deterministic = bool(return_lse), bool(deterministic)
-    params = dispatch.Params(
-        device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[-2], heads_kv=k.shape[-2], head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1], kind=kind, pad_between_seqs=pad_between_seqs, is_self=is_self,
-        host_lengths=host_lengths, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask=mask,
-        return_lse=return_lse, deterministic=deterministic,
-        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        traced=compiling,
-    )
+    params = dispatch.call_params(
+        seqs, device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[-2], heads_kv=k.shape[-2],
+        head_dim=q.shape[-1], head_dim_v=v.shape[-1], mask=mask, dense=dense is not None, return_lse=return_lse,
+        deterministic=deterministic,
+        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     chosen = dispatch.select(params, backend)
     problem = Problem(qt, kt, vt, seqs, mask, float(scale), return_lse, deterministic, dense)
     out, lse = chosen.run(problem)

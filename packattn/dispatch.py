@@ -35,6 +35,7 @@ log = logging.getLogger("packattn.dispatch")
 # longest sequences in the dispatch key: exact up to 16 (the small-seq kernels care), then one bucket up to
 # SHORT_SEQLEN (where FA4 gives way to our kernels' short-batch backward, `Fa4Backend.defers_to`), one above it
 _LENGTH_BUCKET = 17
+_TRACED_BUCKET = SHORT_SEQLEN + 1  # the bucket of a traced call outside the small-seq regime (`traced_buckets`)
 _CACHE_SIZE = 256
 
 
@@ -74,7 +75,7 @@ class Params:
         SHORT_SEQLEN, whatever the lengths (so auto dispatch does not defer short batches, `Backend.defers_to`)."""
         if max_seqlen_q <= 1 and max_seqlen_kv < _LENGTH_BUCKET:
             return 1, _LENGTH_BUCKET - 1
-        return SHORT_SEQLEN + 1, SHORT_SEQLEN + 1
+        return _TRACED_BUCKET, _TRACED_BUCKET
 
     @property
     def short_seqs(self) -> bool:
@@ -85,24 +86,30 @@ class Params:
 def call_params(seqs, *, device_type: str, dtype: torch.dtype, heads_q: int, heads_kv: int, head_dim: int,
                 head_dim_v: int | None = None, mask: Mask, dense: bool = False, return_lse: bool = False,
                 deterministic: bool = False, requires_grad: bool = False) -> Params:
-    """The `Params` of an eager call over the descriptor ``seqs``: a `Varlen` (``dense``: the uniform one of a
-    bshd/sbhd batch) or a `packattn.Tree` (its own mask: ``mask`` is then the causal part of it). For tools
-    that describe a call without its tensors (``packattn explain``, the demo); `packattn.attention` keys its
-    calls the same way."""
+    """The `Params` of a call over the descriptor ``seqs``: a `Varlen` (``dense``: the uniform one of a
+    bshd/sbhd batch) or a `packattn.Tree` (its own mask: ``mask`` is then the causal part of it). The one
+    place that keys a call: `packattn.attention` and the tools that describe a call without its tensors
+    (``packattn explain``, the demo). While torch.compile traces, the descriptor's per-batch host values are
+    symbolic: they are read without branching (`Params.traced_buckets`) and the host copies of the lengths
+    not at all (a tuple read is a guard), so one graph serves every packing."""
     from packattn.varlen import Varlen
 
+    traced = torch.compiler.is_compiling()
     if isinstance(seqs, Varlen):
         kind, pad, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
-        host = seqs.lengths_q is not None
-        longest_q, longest_kv = seqs.max_seqlen_q, seqs.max_seqlen_kv
+        host = not traced and seqs.lengths_q is not None
+        if traced:
+            max_q, max_kv = Params.traced_buckets(*seqs.traced_max_seqlens())
+        else:
+            max_q, max_kv = Params.bucket(seqs.max_seqlen_q), Params.bucket(seqs.max_seqlen_kv)
     else:
         kind, pad, is_self, host = "tree", False, True, True
-        longest_q = longest_kv = seqs.max_depth
+        max_q = max_kv = _TRACED_BUCKET if traced else Params.bucket(seqs.max_depth)  # trees: never small-seq
     return Params(
         device_type=device_type, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         head_dim_v=head_dim if head_dim_v is None else head_dim_v, kind=kind, pad_between_seqs=pad, is_self=is_self,
-        host_lengths=host, max_seqlen_q=Params.bucket(longest_q), max_seqlen_kv=Params.bucket(longest_kv),
-        mask=mask, return_lse=bool(return_lse), deterministic=bool(deterministic), requires_grad=bool(requires_grad))
+        host_lengths=host, max_seqlen_q=max_q, max_seqlen_kv=max_kv, mask=mask, return_lse=bool(return_lse),
+        deterministic=bool(deterministic), requires_grad=bool(requires_grad), traced=traced)
 
 
 class NoBackendError(ValueError):
