@@ -77,10 +77,9 @@ def _(dout, dlse, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _save(ctx, inputs, output):
-    q, k, v, seq_or_key_end, scale, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, *(seq_or_key_end if isinstance(seq_or_key_end, list)
-                                              else [seq_or_key_end]))
+def _save_varlen(ctx, inputs, output):
+    q, k, v, seq, scale, options = inputs
+    ctx.save_for_backward(q, k, v, *output, *seq)
     ctx.scale, ctx.options = scale, options
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term
 
@@ -88,11 +87,11 @@ def _save(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, *seq = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = traced_varlen_bwd(dout, dlse, q, k, v, out, lse, seq, ctx.scale, *ctx.options)
+    dq, dk, dv = traced_varlen_bwd(dout, dlse, q, k, v, out, lse, seq, ctx.scale, ctx.options)
     return dq, dk, dv, [None] * len(seq), None, None
 
 
-traced_varlen_fwd.register_autograd(_varlen_backward, setup_context=_save)
+traced_varlen_fwd.register_autograd(_varlen_backward, setup_context=_save_varlen)
 
 
 def traced_varlen_attention(q, k, v, seqs: Varlen, mask: masks.Mask, scale: float, return_lse: bool):
@@ -149,6 +148,13 @@ def _(dout, dlse, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _save_tree(ctx, inputs, output):
+    q, k, v, key_end, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, key_end)
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
 def _tree_backward(ctx, dout, dlse):
     q, k, v, out, lse, key_end = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
@@ -156,7 +162,7 @@ def _tree_backward(ctx, dout, dlse):
     return dq, dk, dv, None, None
 
 
-traced_tree_fwd.register_autograd(_tree_backward, setup_context=_save)
+traced_tree_fwd.register_autograd(_tree_backward, setup_context=_save_tree)
 
 
 def traced_tree_attention(q, k, v, tree, scale: float, return_lse: bool):
