@@ -1,4 +1,4 @@
-"""A/B of the Gluon Hopper backward (`packattn.backends.triton_bwd_gluon`) against the Triton backward
+"""A/B of the Gluon Hopper backward (`packattn.ops.varlen.launch_sm90_bwd`) against the Triton backward
 (``torch.ops.packattn.varlen_bwd``: `varlen_bwd.bwd_dkdv_kernel` + `bwd_dq_kernel`), on one GPU.
 
     python3 benchmarks/ab_gluon_bwd.py [--no-nasty] [--only dq|dkdv] [W1 W2 W4 W8]     (needs an sm_90 GPU)
@@ -29,7 +29,7 @@ import torch
 import triton.testing
 
 import packattn
-from packattn.backends import triton_bwd_gluon as tb
+from packattn.ops.varlen import launch_sm90_bwd as tb
 from packattn.backends import triton_varlen as tv
 from packattn.bench.workloads import varlen_workloads
 from packattn.mask import Mask
@@ -195,7 +195,7 @@ def triton_dkdv(p: Problem, dk, dv):
 
 def triton_dq(p: Problem, dq):
     """The Triton dQ pass exactly as ``packattn::varlen_bwd`` launches it."""
-    from packattn.kernels.varlen_bwd import bwd_dq_kernel
+    from packattn.ops.varlen.bwd_triton import bwd_dq_kernel
 
     d, heads_q = p.q.shape[-1], p.q.shape[1]
     cfg = tv.launch_config("dq", d, p.q.dtype, p.q.device)

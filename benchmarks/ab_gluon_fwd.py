@@ -1,4 +1,4 @@
-"""A/B of the Gluon Hopper forward (`packattn.backends.triton_fwd_gluon`) against the Triton forward
+"""A/B of the Gluon Hopper forward (`packattn.ops.varlen.launch_sm90_fwd`) against the Triton forward
 (``packattn.attention(..., backend="triton")``, i.e. ``torch.ops.packattn.varlen_fwd``), on one GPU,
 for every configuration of ``tg.ab_variants(head_dim)`` (the launcher's default, the other tile
 shapes, and the warp-specialised kernel: plain, ``direct``, ``persistent``, ``persistent,direct``).
@@ -39,7 +39,7 @@ import torch
 import triton.testing
 
 import packattn
-from packattn.backends import triton_fwd_gluon as tg
+from packattn.ops.varlen import launch_sm90_fwd as tg
 from packattn.backends.triton_varlen import tile_table
 from packattn.bench.workloads import varlen_workloads
 from packattn.mask import Mask

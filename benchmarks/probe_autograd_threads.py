@@ -16,7 +16,7 @@ import time
 import torch
 
 import packattn
-from packattn.backends import triton_bwd_gluon as tbg
+from packattn.ops.varlen import launch_sm90_bwd as tbg
 from packattn.backends import triton_varlen as tv
 from packattn.bench.workloads import varlen_workloads
 

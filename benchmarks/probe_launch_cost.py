@@ -19,9 +19,9 @@ import torch
 import triton
 
 import packattn
-from packattn.backends import triton_bwd_gluon as tbg
+from packattn.ops.varlen import launch_sm90_bwd as tbg
 from packattn.backends import triton_varlen as tv
-from packattn.backends.triton_fwd_gluon import _as_tma_tensor, _descriptor
+from packattn.ops.varlen.launch_sm90_fwd import _as_tma_tensor, _descriptor
 from packattn.bench.workloads import varlen_workloads
 
 
@@ -43,7 +43,7 @@ def _jit_breakdown(call) -> list:
     prebuilt arguments, its binder alone, and the compiled kernel's launcher called directly."""
     from triton.runtime import driver
 
-    from packattn.kernels import varlen_bwd_gluon_ws as ws
+    from packattn.ops.varlen import bwd_dkdv_sm90 as ws
 
     captured = {}
     kernel = ws.varlen_bwd_dkdv_gluon_ws_kernel

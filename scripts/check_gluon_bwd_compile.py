@@ -1,4 +1,4 @@
-"""Compile the Gluon Hopper backward (`packattn.kernels.varlen_bwd_gluon`) for sm_90a on a machine
+"""Compile the Gluon Hopper backward (`packattn.ops.varlen.bwd_sm90`) for sm_90a on a machine
 without a GPU, for every mask combination, head dim and dtype, and check what matters before a GPU run:
 
 * shared memory (at most the 227 KB one CTA may use on an H100/H200) and ptxas registers / spills;
@@ -19,7 +19,7 @@ without a GPU, for every mask combination, head dim and dtype, and check what ma
 
 ``--tree`` compiles the tree variants (`packattn.backends.triton_tree`) instead of the mask
 combinations: the warp-specialised dK/dV kernel with ``TREE=True`` and the tree dQ kernel
-(`packattn.kernels.tree_dq_gluon_ws`). They need a warp-specialised config (the launchers' at
+(`packattn.ops.tree.dq_sm90`). They need a warp-specialised config (the launchers' at
 d = 128); other configs are reported as skipped.
 
 ``--persistent`` (or a ``--config`` ending in ``,ws,persistent``, the launchers' config strings)
@@ -55,12 +55,12 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
-from packattn.backends.triton_tree_gluon_dq import tree_dq_ws_resources  # noqa: E402
-from packattn.backends.triton_fwd_gluon import smem_layout  # noqa: E402
-from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
-from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
-from packattn.kernels.tree_dq_gluon_ws import tree_dq_gluon_ws_kernel  # noqa: E402
-from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
+from packattn.ops.tree.launch_sm90_dq import tree_dq_ws_resources  # noqa: E402
+from packattn.ops.varlen.launch_sm90_fwd import smem_layout  # noqa: E402
+from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
+from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
+from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel  # noqa: E402
+from packattn.ops.varlen.bwd_dkdv_sm90 import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_gluon_compile import sass_register_regions  # noqa: E402

@@ -1,4 +1,4 @@
-"""Compile the Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`) for sm_90a on a machine
+"""Compile the Gluon Hopper forward (`packattn.ops.varlen.common_sm90`) for sm_90a on a machine
 without a GPU, for every mask combination and head dim, and check what matters before a GPU run:
 
 * shared memory (must fit the 227 KB of an H100/H200 SM) and ptxas registers / spills;
@@ -41,8 +41,8 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from packattn.backends import triton_fwd_gluon as tg  # noqa: E402
-from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel  # noqa: E402
-from packattn.kernels.varlen_fwd_gluon_ws import varlen_fwd_gluon_ws_kernel  # noqa: E402
+from packattn.ops.varlen.common_sm90 import varlen_fwd_gluon_kernel  # noqa: E402
+from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90

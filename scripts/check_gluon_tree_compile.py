@@ -1,4 +1,4 @@
-"""Compile the warp-specialised Gluon tree forward (`packattn.kernels.tree_fwd_gluon`) for sm_90a on a
+"""Compile the warp-specialised Gluon tree forward (`packattn.ops.tree.fwd_sm90`) for sm_90a on a
 machine without a GPU, per head dim and dtype, with the checks of scripts/check_gluon_compile.py:
 shared memory, ptxas registers / spills / warnings, the overlap proof (a wgmma in flight across the
 softmax in each consumer's main loop), the setmaxnreg budget of every partition against the
@@ -23,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from packattn.backends import triton_fwd_gluon as tg  # noqa: E402
 from packattn.backends import triton_tree_gluon as tt  # noqa: E402
-from packattn.kernels.tree_fwd_gluon import tree_fwd_gluon_kernel  # noqa: E402
+from packattn.ops.tree.fwd_sm90 import tree_fwd_gluon_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_gluon_compile import DTYPES, compile_forward_kernel, compiled_report, failure_report  # noqa: E402

@@ -20,9 +20,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from packattn.backends import triton_varlen as tv  # noqa: E402
-from packattn.kernels.varlen_bwd import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
-from packattn.kernels.tree import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
-from packattn.kernels.varlen_fwd import varlen_fwd_kernel  # noqa: E402
+from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
+from packattn.ops.tree.kernels_triton import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
+from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),

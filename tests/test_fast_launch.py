@@ -1,4 +1,4 @@
-"""`packattn.backends.fast_launch`: its specialisation key is at least as fine as Triton's (equal keys
+"""`packattn.ops.runtime.fast_launch`: its specialisation key is at least as fine as Triton's (equal keys
 mean equal Triton specialisations), the launcher's argument order, and the slow path under the
 interpreter. The launch itself runs on GPUs only (tests/gpu/test_triton_varlen_gpu.py compares
 fast and slow launches bitwise)."""
@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from packattn.backends import fast_launch
+from packattn.ops.runtime import fast_launch
 
 triton = pytest.importorskip("triton")
 
@@ -115,7 +115,7 @@ def test_slow_path_launches_under_the_interpreter():
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU interpreter run only")
-    from packattn.kernels.varlen_bwd import bwd_preprocess_kernel
+    from packattn.ops.varlen.bwd_triton import bwd_preprocess_kernel
 
     out = torch.randn(5, 2, 16)
     dout = torch.randn(5, 2, 16)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packattn.backends import triton_bwd_gluon as tb
-from packattn.backends import triton_fwd_gluon as tg
+from packattn.ops.varlen import launch_sm90_bwd as tb
+from packattn.ops.varlen import launch_sm90_fwd as tg
 
 
 @pytest.mark.parametrize("heads_kv", [1, 2, 3, 4, 6, 8, 16])
@@ -91,7 +91,8 @@ def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d:
     """Launch the warp-specialised dQ or dK/dV pass with config ``text`` on CPU tensors (tile table of
     ``tiles`` rows) against a recording kernel on a fake device of ``sms`` SMs: ``(grid, args, kwargs)``.
     ``dq_options``: more keyword arguments of `gluon_launch_dq` (``delta_from_o``, ``out``)."""
-    from packattn.kernels import varlen_bwd_gluon_dq_ws, varlen_bwd_gluon_ws
+    from packattn.ops.varlen import bwd_dq_sm90 as varlen_bwd_gluon_dq_ws
+    from packattn.ops.varlen import bwd_dkdv_sm90 as varlen_bwd_gluon_ws
 
     module, name = ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel") if kind == "dq"
                     else (varlen_bwd_gluon_ws, "varlen_bwd_dkdv_gluon_ws_kernel"))
@@ -365,7 +366,7 @@ def test_dq_delta_from_o_needs_out_and_a_writable_delta(monkeypatch):
         _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, 128, monkeypatch, delta_from_o=True,
                    out=torch.zeros(256, 32, 64, dtype=torch.bfloat16))
     kernel = _RecordingKernel()
-    from packattn.kernels import varlen_bwd_gluon_dq_ws
+    from packattn.ops.varlen import bwd_dq_sm90 as varlen_bwd_gluon_dq_ws
     monkeypatch.setattr(varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel", kernel)
     q = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
     lse = torch.zeros(4, 256)

@@ -83,7 +83,8 @@ def test_no_triton_is_a_reason_too(monkeypatch):
 
 def test_gluon_off_hides_hopper_from_every_gluon_test_and_logs_once(monkeypatch, caplog):
     """`triton_fwd_gluon._capability` is the one device test of the Gluon forward, backward and tree paths."""
-    from packattn.backends import triton_bwd_gluon, triton_fwd_gluon
+    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_fwd_gluon, "_GLUON_OFF", "Gluon kernels off: test reason")
@@ -103,7 +104,7 @@ def test_gluon_off_hides_hopper_from_every_gluon_test_and_logs_once(monkeypatch,
 
 def test_fast_launch_stays_off_on_an_unchecked_release(monkeypatch, caplog):
     pytest.importorskip("triton")
-    from packattn.backends import fast_launch
+    from packattn.ops.runtime import fast_launch
 
     reason = triton_base.release_unsupported("fast launches", triton_base.FAST_LAUNCH_TRITON, "3.9.0", "slow path")
     assert reason == "fast launches off: built for Triton 3.6, found 3.9.0; slow path"

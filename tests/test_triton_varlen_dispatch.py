@@ -1,5 +1,5 @@
 """The triton backend's dispatch rules, its ``torch.library`` custom ops (opcheck, torch.compile, the
-eager fast path of `packattn.backends.fast_op`) and its choice of short-sequence configs; on CPU in
+eager fast path of `packattn.ops.runtime.fast_op`) and its choice of short-sequence configs; on CPU in
 Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA) or on a GPU.
 """
 
@@ -79,9 +79,9 @@ def test_torch_compile_keeps_one_graph():
 
 
 def test_eager_fast_path_equals_custom_op(monkeypatch):
-    # eager calls skip the custom-op machinery (packattn.backends.fast_op); with the op forced the
+    # eager calls skip the custom-op machinery (packattn.ops.runtime.fast_op); with the op forced the
     # kernels and their arguments are the same, so out, lse and every gradient are bitwise equal
-    from packattn.backends import fast_op
+    from packattn.ops.runtime import fast_op
 
     seqs, q, k, v, dout = make_inputs([9, 0, 20, 1], heads=(4, 2), pad=8)
     dlse = torch.randn(4, seqs.total_q, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -107,7 +107,7 @@ def test_eager_fast_path_equals_custom_op(monkeypatch):
 def test_fast_op_uses_the_op_for_tensor_subclasses_and_under_compile(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from packattn.backends import fast_op
+    from packattn.ops.runtime import fast_op
 
     def op(*args):
         return "op"
@@ -129,7 +129,8 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     """No sequence longer than SHORT_SEQLEN: the forward op is told ``short_seqs`` (which picks the
     short-sequence Gluon forward and dQ configs on a GPU; the forward builds the dQ tile table for the
     config `dq_choice` names with ``short_seqs``)."""
-    from packattn.backends import triton_bwd_gluon, triton_fwd_gluon
+    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 
     captured = {}
 
@@ -159,7 +160,7 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
 
 
 def test_short_config_gpus_by_name(monkeypatch):
-    from packattn.backends import triton_fwd_gluon
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 
     triton_fwd_gluon._short_config_gpu.cache_clear()
     names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}

@@ -97,14 +97,12 @@ class _Recorder:
 def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=False):
     """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
     every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
-    from packattn.backends import triton_bwd_gluon as tb
-    from packattn.backends import triton_fwd_gluon
-    from packattn.kernels import (
-        varlen_bwd,
-        varlen_bwd_gluon,
-        varlen_bwd_gluon_dq_ws,
-        varlen_bwd_gluon_ws,
-    )
+    from packattn.ops.varlen import launch_sm90_bwd as tb
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
+    from packattn.ops.varlen import bwd_triton as varlen_bwd
+    from packattn.ops.varlen import bwd_sm90 as varlen_bwd_gluon
+    from packattn.ops.varlen import bwd_dq_sm90 as varlen_bwd_gluon_dq_ws
+    from packattn.ops.varlen import bwd_dkdv_sm90 as varlen_bwd_gluon_ws
 
     monkeypatch.setattr(triton_fwd_gluon, "_num_sms", lambda index: 132)  # (persistent grids: a fake device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -134,7 +132,7 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=Fal
 def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fused):
     """A plan for a batch of short sequences hands both warp-specialised passes the short work order
     (`triton_fwd_gluon.SHORT_HEAD_SECTION` kv-head groups per section), others the default one."""
-    from packattn.backends import triton_fwd_gluon
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 
     dq = "64,64,2,4,ws" if fused else "128,64,4,8,ws"
     for short, groups in ((False, triton_fwd_gluon.HEAD_SECTION), (True, triton_fwd_gluon.SHORT_HEAD_SECTION)):
@@ -146,7 +144,7 @@ def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fuse
 def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     """One-consumer WS dQ (the d = 128 short-sequence config), Gluon dK/dV, no dlse: no preprocess; the dQ
     pass (DELTA_FROM_O, an O descriptor) writes a zero-initialised delta that the dK/dV pass then reads."""
-    from packattn.backends import triton_bwd_gluon as tb
+    from packattn.ops.varlen import launch_sm90_bwd as tb
 
     short = tb.DQ_SHORT_CONFIGS[128].label()
     plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", short, False)
@@ -164,7 +162,7 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
 def test_two_consumer_dq_fuses_delta(monkeypatch):
     """The two-consumer WS dQ (the long-batch default at d = 128) computes delta too: the backward runs as the
     one-consumer fused one: dQ first with DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
-    from packattn.backends import triton_bwd_gluon as tb
+    from packattn.ops.varlen import launch_sm90_bwd as tb
 
     monkeypatch.delenv(tb.ENV_FUSED_DELTA, raising=False)
     plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", False)
@@ -189,7 +187,7 @@ def test_two_consumer_dq_fuses_delta(monkeypatch):
     ("64,64,2,4,ws", None, False),               # Triton dQ pass
 ])
 def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
-    from packattn.backends import triton_bwd_gluon as tb
+    from packattn.ops.varlen import launch_sm90_bwd as tb
 
     monkeypatch.setenv(tb.ENV_FUSED_DELTA, "0")  # (the one-consumer dQ computes delta all the same)
     plan, _, lse, log = _planned_launches(monkeypatch, dkdv, dq, with_dlse)

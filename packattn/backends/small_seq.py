@@ -1,7 +1,7 @@
 """Small-sequence cross-attention (one query over at most 16 keys per sequence): item tables,
 launchers, ``torch.library`` custom ops, the backend.
 
-Kernels live in `packattn.kernels.small_seq`. A batch is a list of *items* described by an int32
+Kernels live in `packattn.ops.small_seq.kernels`. A batch is a list of *items* described by an int32
 table ``(3, items)`` with rows ``q_rows`` (physical row of the item's query, -1 when it has none),
 ``kv_starts`` (physical row of its first key) and ``kv_lens`` (0..16). For a `Varlen` it is built
 with device ops only (no host sync) and cached on the descriptor; for a dense ``(B, S, H, D)``
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from packattn.backends import fast_op
+from packattn.ops.runtime import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
-from packattn.backends.triton_launch import _fix_interpreter_loop_bounds, _last_dim_contiguous
+from packattn.ops.runtime.launch import _fix_interpreter_loop_bounds, _last_dim_contiguous
 from packattn.varlen import Varlen
 
 MAX_KEYS = 16  # BLOCK_S of the kernels
@@ -83,7 +83,7 @@ def _small_seq_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, P)``; ``padded_q``: some query rows belong to no item (zeros / -inf there).
     ``padded_kv`` and ``kv_fill`` are only carried for the backward."""
-    from packattn.kernels.small_seq import LOG2E, small_seq_fwd_kernel
+    from packattn.ops.small_seq.kernels import LOG2E, small_seq_fwd_kernel
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
@@ -116,7 +116,7 @@ def _small_seq_bwd(
     p: torch.Tensor, items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from the saved softmax ``p``; ``dlse`` (or None): the gradient into lse."""
-    from packattn.kernels.small_seq import small_seq_bwd_kernel
+    from packattn.ops.small_seq.kernels import small_seq_bwd_kernel
 
     dout, q, k, v = (_last_dim_contiguous(x) for x in (dout, q, k, v))
     p = p.contiguous()

@@ -1,9 +1,9 @@
 """Triton tree attention (`packattn.Tree`): tables, launchers, ``torch.library`` custom ops, the backend.
 
-Kernels: `packattn.kernels.tree` (forward, dQ) and `packattn.kernels.varlen_bwd.bwd_dkdv_kernel`
+Kernels: `packattn.ops.tree.kernels_triton` (forward, dQ) and `packattn.ops.varlen.bwd_triton.bwd_dkdv_kernel`
 with ``TREE=True`` (dK/dV); on sm_90 (fp16 / bf16) the warp-specialised Gluon kernels instead where
-they apply: forward `packattn.backends.triton_tree_gluon` (head dims 64 / 128), dK/dV
-`triton_bwd_gluon.gluon_launch_dkdv(..., key_end=...)` and dQ `packattn.backends.triton_tree_gluon_dq`
+they apply: forward `packattn.ops.tree.launch_sm90_fwd` (head dims 64 / 128), dK/dV
+`triton_bwd_gluon.gluon_launch_dkdv(..., key_end=...)` and dQ `packattn.ops.tree.launch_sm90_dq`
 (head dim 128). Each choice depends only on dtypes, shapes, device and the environment, so the
 forward (which builds the tables for the chosen kernels) and the backward agree. The tree is one "sequence" of ``total`` rows; key ``s`` is visible
 to queries ``s <= t < key_end[s]`` with ``key_end = tree.row_subtree_end()``.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from packattn.backends import fast_op
+from packattn.ops.runtime import fast_op
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend, device_unsupported
-from packattn.backends.triton_launch import _last_dim_contiguous, _launch, _precision, block_d, launch_config
+from packattn.ops.runtime.launch import _last_dim_contiguous, _launch, _precision, block_d, launch_config
 from packattn.backends.triton_varlen import (
     TritonVarlenBackend, kernel_limits, bwd_delta, check_dkdv_choice, dkdv_choice, launch_dkdv, unmasked_band,
 )
@@ -86,7 +86,7 @@ def tree_tables(tree, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_gr
     warp-specialised one where `use_gluon_dkdv`, the Triton one otherwise): both sides decide from
     dtypes, shapes, device and the environment only, so they agree. The dQ tables serve the Triton and
     the Gluon tree dQ alike (`use_gluon_tree_dq` requires the Gluon blocks to be ``launch_config``'s)."""
-    from packattn.backends.triton_tree_gluon import tree_fwd_blocks, use_gluon_tree_fwd
+    from packattn.ops.tree.launch_sm90_fwd import tree_fwd_blocks, use_gluon_tree_fwd
     from packattn.backends.triton_varlen import dkdv_blocks
 
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
@@ -124,8 +124,8 @@ def _tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[to
     """``(out, lse)``; ``tables``: ``key_end, fwd_tiles, fwd_intervals, dq_tiles, dq_intervals, dkdv_tiles,
     cu_rows, row0`` (`tree_tables`; the dq/dkdv tables and ``cu_rows``/``row0`` are carried for the
     backward). One list, not eight arguments: see `triton_varlen.FWD_TABLES`."""
-    from packattn.backends.triton_tree_gluon import gluon_tree_fwd, use_gluon_tree_fwd
-    from packattn.kernels.tree import tree_fwd_kernel
+    from packattn.ops.tree.launch_sm90_fwd import gluon_tree_fwd, use_gluon_tree_fwd
+    from packattn.ops.tree.kernels_triton import tree_fwd_kernel
 
     key_end, fwd_tiles, fwd_intervals = tables[:3]
     if use_gluon_tree_fwd(q, k, v):  # the tables were built for it (`tree_tables`)
@@ -162,9 +162,9 @@ def _tree_bwd(
     """``(dq, dk, dv)``, deterministic (no atomics): the varlen dK/dV pass with the tree mask and a
     dQ pass over the query tiles' intervals; on sm_90 the Gluon warp-specialised kernels where
     `use_gluon_dkdv` / `use_gluon_tree_dq` say so (the tables were built for them, `tree_tables`)."""
-    from packattn.backends.triton_tree_gluon_dq import gluon_tree_dq, use_gluon_tree_dq
+    from packattn.ops.tree.launch_sm90_dq import gluon_tree_dq, use_gluon_tree_dq
     from packattn.backends.triton_varlen import use_gluon_dkdv
-    from packattn.kernels.tree import tree_dq_kernel
+    from packattn.ops.tree.kernels_triton import tree_dq_kernel
 
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
     lse = lse.contiguous()
@@ -175,7 +175,7 @@ def _tree_bwd(
                   HAS_LEFT=False, HAS_RIGHT=False, HAS_CHUNK=False, TOP_LEFT=False)
     seq_args = (cu_rows, cu_rows, row0, row0)  # the tree as one sequence of all rows
     if use_gluon_dkdv(q, k, v):
-        from packattn.backends.triton_bwd_gluon import gluon_launch_dkdv
+        from packattn.ops.varlen.launch_sm90_bwd import gluon_launch_dkdv
 
         gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, (-1, -1, 0), False,
                           key_end=key_end)
@@ -249,7 +249,7 @@ class TritonTreeBackend(TritonBackend):
 
     def run(self, problem: Problem):
         if torch.compiler.is_compiling():  # one graph for every tree: tables built when the op runs
-            from packattn.backends.triton_traced import traced_tree_attention
+            from packattn.ops.traced import traced_tree_attention
 
             q, scale = (-problem.q, -problem.scale) if problem.scale < 0 else (problem.q, problem.scale)
             return traced_tree_attention(q, problem.k, problem.v, problem.seqs, scale, problem.return_lse)

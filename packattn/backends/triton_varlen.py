@@ -1,7 +1,7 @@
 """Triton varlen flash attention: tile tables, launchers, ``torch.library`` custom ops, the backend.
 
-Kernels live in `packattn.kernels.varlen_fwd` / `varlen_bwd`; their launch configurations and the
-launch with retry in `packattn.backends.triton_launch`. Per batch (cached on the `Varlen`
+Kernels live in `packattn.ops.varlen.fwd_triton` / `varlen_bwd`; their launch configurations and the
+launch with retry in `packattn.ops.runtime.launch`. Per batch (cached on the `Varlen`
 through `Varlen.cached`, keyed by mask and block sizes) the launcher builds *tile tables* with
 device ops only: one int32 row ``[seq, start, lo, mid_lo, mid_hi, hi]`` per (sequence, block),
 with the block's visible range on the other side from `packattn.mask` (`block_key_range` for
@@ -13,8 +13,8 @@ exit. Rows are sorted longest-range-first so long documents do not start last.
 The forward and backward are ``torch.library.custom_op``s (``packattn::varlen_fwd`` /
 ``packattn::varlen_bwd``) with fake implementations and registered autograd, so torch.compile
 keeps them in one graph; eager calls run the same implementations through a plain autograd
-function (`packattn.backends.fast_op`: the custom-op machinery costs host time). The backward is
-deterministic by construction (no atomics; see `packattn.kernels.varlen_bwd`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
+function (`packattn.ops.runtime.fast_op`: the custom-op machinery costs host time). The backward is
+deterministic by construction (no atomics; see `packattn.ops.varlen.bwd_triton`). Float32 inputs use ``tl.dot(..., input_precision="ieee")``:
 exact float32 products (no TF32), slower than TF32 on tensor cores.
 """
 
@@ -26,11 +26,14 @@ import torch
 
 from packattn import env
 from packattn import mask as masks
-from packattn.backends import fast_launch, fast_op, triton_bwd_gluon, triton_fwd_gluon
+from packattn.ops.runtime import fast_launch
+from packattn.ops.runtime import fast_op
+from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
+from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 from packattn.backends.base import Problem
 from packattn.backends.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (re-exported)
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
-from packattn.backends.triton_launch import (  # noqa: F401 (configs re-exported: benchmarks, scripts)
+from packattn.ops.runtime.launch import (  # noqa: F401 (configs re-exported: benchmarks, scripts)
     FALLBACK_CONFIGS, FP32_CONFIGS, HOPPER_CONFIGS, PREPROCESS_BLOCK_M, LaunchConfig, _last_dim_contiguous, _launch,
     _mask_constexprs, _precision, _reduced_stages, block_d, launch_config,
 )
@@ -137,7 +140,7 @@ def _varlen_fwd(
         return triton_fwd_gluon.gluon_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, q_tiles,
                                           scale, window_left, window_right, chunk_size, top_left, padded_q, long_seqs,
                                           bool(short_seqs), out=out, lse=lse)
-    from packattn.kernels.varlen_fwd import varlen_fwd_kernel
+    from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel
 
     config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
@@ -167,7 +170,7 @@ def gluon_min_seqlen() -> int:
 
 
 def use_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`) runs instead of the Triton one
+    """The Gluon Hopper forward (`packattn.ops.varlen.common_sm90`) runs instead of the Triton one
     where it can (sm_90, fp16/bf16, head dim 64/128): measured 1.00-1.13x faster on W1/W2/W4/W8 on
     an H200 (benchmarks/NOTES.md, v8). ``PACKATTN_TRITON_FWD=triton`` keeps the Triton forward."""
     if interpreting() or not q.is_cuda or env.get("PACKATTN_TRITON_FWD") == "triton":
@@ -209,7 +212,7 @@ def dq_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: boo
 
 
 def use_gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The warp-specialised Gluon dK/dV pass (`packattn.kernels.varlen_bwd_gluon_ws`) runs instead of
+    """The warp-specialised Gluon dK/dV pass (`packattn.ops.varlen.bwd_dkdv_sm90`) runs instead of
     the Triton one where it can (sm_90, fp16/bf16, head dim 128): W1's dK/dV pass 2.114 -> 1.442 ms on
     an H200 (benchmarks/NOTES.md, v11). Depends only on dtypes, shapes, device and the environment, so
     the forward (which builds the tile table, `dkdv_blocks`) and the backward agree.
@@ -379,7 +382,7 @@ def _varlen_bwd_planned(
         triton_bwd_gluon.gluon_launch_dq(q, k, v, dout, lse, delta, dq, dq_tiles, seq_args, scale, mask_args, top_left,
                                          config=dq_config, short_seqs=plan.short_seqs)
         return dq, dk, dv
-    from packattn.kernels.varlen_bwd import bwd_dq_kernel
+    from packattn.ops.varlen.bwd_triton import bwd_dq_kernel
 
     config = launch_config("dq", head_dim, q.dtype, q.device)
     common = _bwd_constexprs(head_dim, q.dtype, mask_args, top_left)
@@ -420,7 +423,7 @@ def _qkv_do_strides(q, k, v, dout) -> tuple:
 
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """``rowsum(dO * O) - dlse`` (float32, lse's shape): the backward preprocess."""
-    from packattn.kernels.varlen_bwd import bwd_preprocess_kernel
+    from packattn.ops.varlen.bwd_triton import bwd_preprocess_kernel
 
     total_q, heads_q, head_dim = out.shape
     delta = torch.empty_like(lse)
@@ -439,7 +442,7 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, key_end, sca
                 tree: bool = False) -> None:
     """dK/dV pass over key tiles (`varlen_bwd.bwd_dkdv_kernel`); ``tree``: the tree mask, ``key_end``
     = `Tree.row_subtree_end` (any int32 tensor otherwise: unused)."""
-    from packattn.kernels.varlen_bwd import bwd_dkdv_kernel
+    from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel
 
     heads_kv = k.shape[1]
     config = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
@@ -533,7 +536,7 @@ class TritonVarlenBackend(TritonBackend):
         if scale < 0:  # the kernels need scale >= 0: (q, -s) gives the same scores as (-q, s)
             q, scale = -q, -scale
         if torch.compiler.is_compiling():  # one graph for every packing: tables built when the op runs
-            from packattn.backends.triton_traced import traced_varlen_attention
+            from packattn.ops.traced import traced_varlen_attention
 
             return traced_varlen_attention(q, k, v, seqs, mask, scale, problem.return_lse)
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -168,7 +168,7 @@ def _tree_grads(q, k, v, dout, dlse, tree, backend="triton_tree"):
 
 def _gluon_tree_kernels(q, k, v) -> dict:
     """Which Gluon kernels the tree backward runs on these tensors."""
-    from packattn.backends.triton_tree_gluon_dq import use_gluon_tree_dq
+    from packattn.ops.tree.launch_sm90_dq import use_gluon_tree_dq
     from packattn.backends.triton_varlen import use_gluon_dkdv
 
     return {"dkdv": use_gluon_dkdv(q, k, v), "dq": use_gluon_tree_dq(q, k, v)}
@@ -215,7 +215,7 @@ def _fwd_inputs(tree, heads_q: int, heads_kv: int, head_dim: int, dtype, seed: i
 def _gluon_tree_forward(q, k, v, tree, config=None, max_programs=None):
     """``(out, lse)`` of `gluon_tree_fwd`, tables built with its block sizes (``config``'s when given)."""
     from packattn.backends.triton_tree import build_query_tiles
-    from packattn.backends.triton_tree_gluon import gluon_tree_fwd, tree_fwd_blocks
+    from packattn.ops.tree.launch_sm90_fwd import gluon_tree_fwd, tree_fwd_blocks
 
     block_m, block_n = (config.block_m, config.block_n) if config else tree_fwd_blocks(q.shape[-1])
     key_end = tree.row_subtree_end().to(torch.int32).contiguous()
@@ -226,7 +226,7 @@ def _gluon_tree_forward(q, k, v, tree, config=None, max_programs=None):
 
 def _check_gluon_tree_forward(q, k, v, tree, monkeypatch, **launch) -> dict:
     """`_gluon_tree_forward` vs the Triton tree forward and the float32 reference (skips off sm_90)."""
-    from packattn.backends.triton_tree_gluon import use_gluon_tree_fwd
+    from packattn.ops.tree.launch_sm90_fwd import use_gluon_tree_fwd
 
     monkeypatch.delenv("PACKATTN_TRITON_FWD", raising=False)
     if not use_gluon_tree_fwd(q, k, v):
@@ -273,7 +273,7 @@ def test_gluon_tree_forward_w6(dtype, monkeypatch):
                                                   ("128,64,4,8,ws,persistent,direct", 5)])
 @pytest.mark.parametrize("name", ["grpo_straddling_tiles", "random_sharing", "chain_of_1_token_nodes"])
 def test_gluon_tree_forward_configurations(name, config, max_programs, monkeypatch):
-    from packattn.backends.triton_fwd_gluon import parse_config
+    from packattn.ops.varlen.launch_sm90_fwd import parse_config
 
     tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
     q, k, v = _fwd_inputs(tree, 4, 2, 128, torch.bfloat16, seed=1)
@@ -281,7 +281,7 @@ def test_gluon_tree_forward_configurations(name, config, max_programs, monkeypat
 
 
 def test_gluon_tree_forward_env_config(monkeypatch):
-    from packattn.backends.triton_tree_gluon import ENV_TREE_CONFIG, tree_fwd_blocks
+    from packattn.ops.tree.launch_sm90_fwd import ENV_TREE_CONFIG, tree_fwd_blocks
 
     monkeypatch.setenv(ENV_TREE_CONFIG, "128,64,4,8,ws,persistent,direct")
     assert tree_fwd_blocks(128) == (128, 64)
@@ -303,9 +303,9 @@ def test_gluon_tree_backward_is_bitwise_deterministic(name, monkeypatch):
 def test_gluon_tree_dq_matches_triton_tree_dq_on_the_same_tables():
     """The dQ kernels alone (same lse, delta and tables), so a dQ difference is not hidden by the rest."""
     from packattn.backends import triton_tree
-    from packattn.backends.triton_tree_gluon_dq import gluon_tree_dq, use_gluon_tree_dq
+    from packattn.ops.tree.launch_sm90_dq import gluon_tree_dq, use_gluon_tree_dq
     from packattn.backends.triton_varlen import _launch, _precision, block_d, bwd_delta, launch_config
-    from packattn.kernels.tree import tree_dq_kernel
+    from packattn.ops.tree.kernels_triton import tree_dq_kernel
 
     tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
     q, k, v, dout, _ = _tree_inputs(tree, 4, 1, torch.bfloat16)

@@ -128,7 +128,7 @@ def test_long_batch_fused_delta_two_consumers(monkeypatch, opts):
     """The two-consumer WS dQ of long batches computes delta (no preprocess): against the reference, and close to
     the unfused backward (``$PACKATTN_GLUON_FUSED_DELTA=0``), on padded cross batches with queries that see no
     key, GQA."""
-    from packattn.backends import triton_bwd_gluon
+    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
 
     seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048, 37, 300], [900, 5, 40, 517, 2000, 0, 301],
                                pad_to_multiple=16, device="cuda")
@@ -152,7 +152,7 @@ def test_trimmed_forward_is_bitwise_the_untrimmed_one(monkeypatch, opts):
     """The ``trim`` forward (each consumer warp group skips the key blocks none of its rows sees,
     `varlen_fwd_gluon_ws`) gives bitwise the output and lse of the same config without it, on padded cross
     batches with empty, length-1 and tail blocks; both against the reference."""
-    from packattn.backends import triton_fwd_gluon
+    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 
     seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37, 1000], [200, 5, 40, 64, 1, 500, 300, 0, 1100],
                                pad_to_multiple=16, device="cuda")
@@ -200,7 +200,7 @@ def test_fast_launches_equal_triton_launches(monkeypatch, lengths):
     """`fast_launch` (the compiled launcher called directly on a cache hit) gives the bitwise results of
     Triton's own launch path, for the forward, the preprocess and both backward passes; the inputs
     are offset views too (pointers not 16-byte aligned must not reuse an aligned specialisation)."""
-    from packattn.backends import fast_launch
+    from packattn.ops.runtime import fast_launch
 
     seqs = Varlen.from_lengths(lengths, device="cuda")
     q, k, v, dout = inputs(seqs, 8, 2)

@@ -1,7 +1,7 @@
 """Launching the Triton kernels of the varlen family (`triton_varlen`, `triton_tree`, `small_seq`):
 block sizes and launch options per kernel, GPU, dtype and head dim (`launch_config`), the constexprs and
 input strides every launcher shares, and `_launch`, which retries a launch that ran out of shared memory
-with fewer pipeline stages (the launch itself: `packattn.backends.fast_launch`).
+with fewer pipeline stages (the launch itself: `packattn.ops.runtime.fast_launch`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packattn.backends import fast_launch
+from packattn.ops.runtime import fast_launch
 from packattn.backends.triton_base import cuda_index, interpreting
 
 

@@ -1,15 +1,15 @@
 """Warp-specialised Gluon tree forward for Hopper (sm_90a): `tree_fwd_gluon_kernel`.
 
-Same contract as `packattn.kernels.tree.tree_fwd_kernel` (the Triton tree forward): the tree is
+Same contract as `packattn.ops.tree.kernels_triton.tree_fwd_kernel` (the Triton tree forward): the tree is
 one sequence of ``total`` rows, key ``s`` is visible to queries ``s <= t < key_end[s]``; tables of
 `packattn.backends.triton_tree.build_query_tiles` built with this kernel's ``BLOCK_M`` /
-``BLOCK_N`` (`packattn.backends.triton_tree_gluon.tree_fwd_blocks`): ``tiles`` rows ``[q_start,
+``BLOCK_N`` (`packattn.ops.tree.launch_sm90_fwd.tree_fwd_blocks`): ``tiles`` rows ``[q_start,
 first_interval, num_intervals]`` (longest first), ``intervals`` rows ``[lo, hi, kind]`` (kind 0: no
 key visible, skipped; 1: element mask; 2: every pair visible); ``out`` in the input dtype, ``lse``
 float32 natural log ``(heads_q, total)``; GQA by ``head // group_size``.
 
 Partitions, barriers, persistent grid and direct store are those of
-`packattn.kernels.varlen_fwd_gluon_ws` (read its docstring): a 1-warp TMA producer, one consumer
+`packattn.ops.varlen.fwd_sm90` (read its docstring): a 1-warp TMA producer, one consumer
 partition per 64 query rows (``BLOCK_M // 64``), K/V ring slots handed over by ``ready`` /
 ``empty`` mbarriers, Q by ``q_bar`` / ``q_empty``; work items ``(tile, head)`` with heads varying
 fastest, ``pid, pid + nprog, ...``. What differs is the walk over key blocks:
@@ -64,9 +64,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_fwd_gluon import (_issue_qk, _load_kv_block, _softmax_full, _softmax_masked, _to_operand,
+from packattn.ops.varlen.common_sm90 import (_issue_qk, _load_kv_block, _softmax_full, _softmax_masked, _to_operand,
                                                mma_layout)
-from packattn.kernels.varlen_fwd_gluon_ws import _section_order, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
+from packattn.ops.varlen.fwd_sm90 import _section_order, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 
 
 # ---------------------------------------------------------------- the block walk (every partition)

@@ -2,7 +2,7 @@
 
 The tree (`packattn.Tree`) is one sequence of ``total`` rows; key ``s`` is visible to the queries
 ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Same contract as
-`packattn.kernels.tree.tree_dq_kernel` (``dQ = scale * dS K``, ``lse`` float32 natural log, ``delta``
+`packattn.ops.tree.kernels_triton.tree_dq_kernel` (``dQ = scale * dS K``, ``lse`` float32 natural log, ``delta``
 from `triton_varlen.bwd_delta`, no atomics: deterministic) with the tables of
 `packattn.backends.triton_tree.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
 keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals`` rows ``[lo, hi, kind]``
@@ -10,7 +10,7 @@ keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals``
 (query tile, query head) in head sections (`varlen_fwd_gluon_ws._section_order`); kv head ``head // group_size``.
 
 The partitions, ring, barriers, tail rendezvous and register split are those of
-`packattn.kernels.varlen_bwd_gluon_dq_ws` (read its module docstring): a 1-warp producer and two
+`packattn.ops.varlen.bwd_dq_sm90` (read its module docstring): a 1-warp producer and two
 consumer warp groups of 64 queries. The difference is the walk: instead of one key range, the
 visible intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``.
 The producer walks them interval by interval; the consumers with the tree forward's cursor
@@ -58,12 +58,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.tree_fwd_gluon import _count_blocks, _ends_copy, _first_block, _next_block
-from packattn.kernels.varlen_bwd_gluon import _lse_log2, _row_vector, _store_tile
-from packattn.kernels.varlen_bwd_gluon_dq_ws import WG_ROWS, _dq_ws_buffers, _dq_ws_step
-from packattn.kernels.varlen_bwd_gluon_dq_ws_producer import _program_id
-from packattn.kernels.varlen_fwd_gluon import _load_kv_block, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _section_order
+from packattn.ops.tree.fwd_sm90 import _count_blocks, _ends_copy, _first_block, _next_block
+from packattn.ops.varlen.bwd_sm90 import _lse_log2, _row_vector, _store_tile
+from packattn.ops.varlen.bwd_dq_sm90 import WG_ROWS, _dq_ws_buffers, _dq_ws_step
+from packattn.ops.varlen.bwd_dq_sm90_load import _program_id
+from packattn.ops.varlen.common_sm90 import _load_kv_block, mma_layout
+from packattn.ops.varlen.fwd_sm90 import _section_order
 
 MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
 FULL = gl.constexpr(2)

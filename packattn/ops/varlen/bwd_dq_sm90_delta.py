@@ -44,7 +44,7 @@ session, v30), one CTA per SM at d = 128: (128, 64, 4 stages) 229760 B, (128, 64
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from packattn.kernels.varlen_fwd_gluon import mma_layout
+from packattn.ops.varlen.common_sm90 import mma_layout
 
 
 @gluon.jit

@@ -1,6 +1,6 @@
 """Forward flash attention over packed (THD) sequences for Hopper (sm_90a), written in Gluon.
 
-Same contract as `packattn.kernels.varlen_fwd.varlen_fwd_kernel` (tile table rows
+Same contract as `packattn.ops.varlen.fwd_triton.varlen_fwd_kernel` (tile table rows
 ``[seq, q_start, lo, mid_lo, mid_hi, hi]``, ``cu_seqlens`` / ``row_offsets`` meaning, masks, GQA,
 ``out`` in the input dtype, ``lse`` float32 natural log, ``out = 0`` / ``lse = -inf`` for a row that
 sees no key), but scheduled by hand so that the tensor cores and the softmax overlap. Triton 3.6
@@ -45,11 +45,11 @@ in the (at most one) block per tile that crosses the sequence end are zeroed in 
 before the PV wgmma, so uninitialised padding (NaN/Inf) cannot leak into ``0 * v``. Q rows past
 ``len_q`` only produce output rows that are never stored.
 
-`packattn.kernels.varlen_fwd_gluon_ws.varlen_fwd_gluon_ws_kernel` is the warp-specialised variant of the same
+`packattn.ops.varlen.fwd_sm90.varlen_fwd_gluon_ws_kernel` is the warp-specialised variant of the same
 contract: a TMA producer warp and one partition per consumer warp group, synchronised only by
 mbarriers (see the comment above `_work_item`).
 
-The mask helpers below are the Gluon twins of `packattn.kernels.varlen_common.aligned_offset` /
+The mask helpers below are the Gluon twins of `packattn.ops.varlen.common_triton.aligned_offset` /
 `key_range` (same formulas, see `packattn.mask`); the softmax is the base-2 online softmax of
 `varlen_common.online_softmax_step` (unmasked blocks: ``m = max(m, rowmax(S) * c)``,
 ``p = exp2(S * c - m)``; masked blocks: scale, mask, then max).

@@ -22,7 +22,7 @@ GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repea
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_common import finish_softmax, load_rows, online_softmax_step, store_rows, tile_header
+from packattn.ops.varlen.common_triton import finish_softmax, load_rows, online_softmax_step, store_rows, tile_header
 
 @triton.jit
 def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,

@@ -1,4 +1,4 @@
-"""Launcher of the warp-specialised Gluon tree forward for Hopper (`packattn.kernels.tree_fwd_gluon`).
+"""Launcher of the warp-specialised Gluon tree forward for Hopper (`packattn.ops.tree.fwd_sm90`).
 
 `gluon_tree_fwd` does what the body of ``packattn::tree_fwd`` (`packattn.backends.triton_tree`) does
 for the Triton tree forward, with TMA descriptors instead of raw pointers for q, k and v. The
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from packattn import env
-from packattn.backends import fast_launch
+from packattn.ops.runtime import fast_launch
 from packattn.backends.triton_base import interpreting
-from packattn.backends.triton_fwd_gluon import (CONFIGS, LOG2E, GluonConfig, _as_tma_tensor, _descriptor,
+from packattn.ops.varlen.launch_sm90_fwd import (CONFIGS, LOG2E, GluonConfig, _as_tma_tensor, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, parse_config, shared_bytes,
                                                 ws_grid, ws_split)
 
@@ -74,7 +74,7 @@ def gluon_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: t
     ``intervals`` from ``build_query_tiles(key_end, total, *tree_fwd_blocks(d))`` (``config``'s blocks
     when given: it replaces `tree_config`), ``scale >= 0`` (the backend flips q otherwise).
     ``max_programs`` caps a persistent grid (tests: many work items per program)."""
-    from packattn.kernels.tree_fwd_gluon import tree_fwd_gluon_kernel
+    from packattn.ops.tree.fwd_sm90 import tree_fwd_gluon_kernel
 
     if not q.shape[0] == k.shape[0] == v.shape[0] == key_end.shape[0]:
         # the kernel relies on K / V rows past `total` reading as zeros (TMA out of bounds)

@@ -1,4 +1,4 @@
-"""The load side of the warp-specialised dK/dV kernel (`packattn.kernels.varlen_bwd_gluon_ws`, whose
+"""The load side of the warp-specialised dK/dV kernel (`packattn.ops.varlen.bwd_dkdv_sm90`, whose
 module docstring describes the partitions, barriers and the persistent mode): the work-item decode
 every partition shares (`_dkdv_tile`), the persistent partitions' state word, and the 1-warp
 producer partition (K / V per work item by TMA; per ring step Q and dO by TMA and the queries' lse /
@@ -10,8 +10,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from packattn.kernels.varlen_fwd_gluon import _tile_row
-from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _section_order
+from packattn.ops.varlen.common_sm90 import _tile_row
+from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _section_order
 
 # a persistent partition's state word (one register): bits 0..29 the work item, bit 30 the parity of the K / V
 # tiles loaded (producer) / consumed (consumers) so far, bit 31 (consumers) the parity of the tail steps so far

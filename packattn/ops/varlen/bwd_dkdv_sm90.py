@@ -1,6 +1,6 @@
 """Warp-specialised dK/dV backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dkdv_gluon_kernel` (read its module
+Same contract as `packattn.ops.varlen.bwd_sm90.varlen_bwd_dkdv_gluon_kernel` (read its module
 docstring): one program per (key tile of ``BLOCK_N = 128`` keys -- or 64, ONE CONSUMER below --, kv
 head), tile-table rows ``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` built by ``tile_table(seqs,
 mask, True, BLOCK_N, BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
@@ -8,9 +8,9 @@ mask, True, BLOCK_N, BLOCK_M)``, the GQA group's query heads in order and, per h
 ``[mid_lo, mid_hi)``; Q / dO rows past ``len_q`` zeroed in shared memory before a wgmma reads them;
 dK (times ``scale``) and dV stored for rows inside the sequence only; no atomics (deterministic);
 keys no query sees get dK = dV = 0. Selected by ``GluonBwdConfig.warp_specialize``
-(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.backends.triton_bwd_gluon`. This module
+(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.ops.varlen.launch_sm90_bwd`. This module
 holds the consumers and the kernel; the work-item decode and the producer partition are in
-`packattn.kernels.varlen_bwd_gluon_ws_load`.
+`packattn.ops.varlen.bwd_dkdv_sm90_load`.
 
 Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
 worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
@@ -121,10 +121,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_bwd_gluon import LOG2E, _aligned_range_of_keys, _store_tile
-from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK, KV_PHASE_BIT, _dkdv_tile, _dkdv_ws_producer
-from packattn.kernels.varlen_fwd_gluon import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers
+from packattn.ops.varlen.bwd_sm90 import LOG2E, _aligned_range_of_keys, _store_tile
+from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK, KV_PHASE_BIT, _dkdv_tile, _dkdv_ws_producer
+from packattn.ops.varlen.common_sm90 import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
+from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # ---------------------------------------------------------------- consumers
@@ -144,7 +144,7 @@ def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk
 
 @gluon.jit
 def _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv):
-    """The tree mask's `_query_range_of_keys` (`packattn.kernels.tree`): key ``k`` is visible to the
+    """The tree mask's `_query_range_of_keys` (`packattn.ops.tree.kernels_triton`): key ``k`` is visible to the
     queries ``[k, key_end[k])`` (``KeyEnd``: int32 `Tree.row_subtree_end`, indexed by position in the
     tree, which is one sequence), clipped to ``len_q``; a key at or past ``len_kv`` gets ``q_hi = 0
     <= q_lo`` (no query). One load per key, once per consumer: the loop compares with the two bounds

@@ -1,7 +1,7 @@
 """Warp-specialised Gluon forward for Hopper (sm_90a): `varlen_fwd_gluon_ws_kernel`.
 
-Same contract as `packattn.kernels.varlen_fwd_gluon.varlen_fwd_gluon_kernel` (plus ``num_work``),
-selected by `GluonConfig.warp_specialize` in `packattn.backends.triton_fwd_gluon`. Partitions (launched with
+Same contract as `packattn.ops.varlen.common_sm90.varlen_fwd_gluon_kernel` (plus ``num_work``),
+selected by `GluonConfig.warp_specialize` in `packattn.ops.varlen.launch_sm90_fwd`. Partitions (launched with
 ``num_warps = 4``; ``BLOCK_M // 64`` consumer warp groups + one producer warp, 8 or 12 warps):
 
 * consumer ``c`` (4 warps: the default partition for ``c = 0``, a worker for ``c = 1``) owns query
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from packattn.kernels.varlen_fwd_gluon import (LN2, _aligned_shift, _issue_qk, _key_range, _load_kv_block,
+from packattn.ops.varlen.common_sm90 import (LN2, _aligned_shift, _issue_qk, _key_range, _load_kv_block,
                                                _softmax_any, _store_out, _tile_row, _to_operand, _zero_v_tail,
                                                mma_layout)
 

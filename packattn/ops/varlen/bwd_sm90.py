@@ -1,6 +1,6 @@
 """Backward flash attention over packed (THD) sequences for Hopper (sm_90a), written in Gluon.
 
-Same contract as `packattn.kernels.varlen_bwd` (`bwd_dkdv_kernel`, `bwd_dq_kernel`): tile-table rows
+Same contract as `packattn.ops.varlen.bwd_triton` (`bwd_dkdv_kernel`, `bwd_dq_kernel`): tile-table rows
 ``[seq, start, lo, mid_lo, mid_hi, hi]``, ``cu_seqlens`` / ``row_offsets`` meaning, masks, GQA,
 ``lse`` float32 natural log with ``-inf`` for rows that see no key (P = 0 there), ``delta`` from
 `triton_varlen.bwd_delta`, outputs in the input dtype, only rows inside a sequence written, no
@@ -10,7 +10,7 @@ atomics (every output element is summed by one program in a fixed order: determi
 
 Triton 3.6 waits for every wgmma right after issuing it; here the waits are placed by hand so the
 tensor cores work while the warp group computes exponentials and dS (FlashAttention-3's
-intra-warpgroup overlap), with the idioms of `packattn.kernels.varlen_fwd_gluon`: accumulators in
+intra-warpgroup overlap), with the idioms of `packattn.ops.varlen.common_sm90`: accumulators in
 ``NVMMADistributedLayout`` v3 with ``warps_per_cta = [num_warps, 1]`` (a warp group per 64 rows),
 operands in NVMMA-swizzled shared memory filled by TMA through 2-D descriptors over the
 ``(rows, heads * head_dim)`` views, one mbarrier per ring slot, register A operands for the
@@ -63,7 +63,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_fwd_gluon import (_aligned_shift, _load_kv_block, _tile_row, _to_operand, _visible,
+from packattn.ops.varlen.common_sm90 import (_aligned_shift, _load_kv_block, _tile_row, _to_operand, _visible,
                                                _zero_v_tail, mma_layout, row_store_layout)
 
 LOG2E = gl.constexpr(1.4426950408889634)

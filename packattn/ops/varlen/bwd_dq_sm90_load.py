@@ -1,4 +1,4 @@
-"""The load side of the warp-specialised dQ kernel (`packattn.kernels.varlen_bwd_gluon_dq_ws`, whose
+"""The load side of the warp-specialised dQ kernel (`packattn.ops.varlen.bwd_dq_sm90`, whose
 module docstring describes the partitions, barriers and the persistent mode; DELTA FROM O:
 `varlen_bwd_gluon_dq_delta`): the work-item decode every partition shares (`_dq_tile`), the persistent
 partitions' Q / dO parity bit, and the 1-warp producer partition (per tile Q and dO -- and O with
@@ -23,9 +23,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK
-from packattn.kernels.varlen_fwd_gluon import _load_kv_block
-from packattn.kernels.varlen_fwd_gluon_ws import _opaque, _opaque_num_programs, _opaque_program_id, _work_item
+from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK
+from packattn.ops.varlen.common_sm90 import _load_kv_block
+from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _work_item
 
 # persistent state word (`ITEM_MASK`): bit 30 the parity of the Q / dO tiles loaded (producer) / consumed
 # (consumers) so far, bit 31 (consumers) the parity of the tail steps so far

@@ -1,4 +1,4 @@
-"""Launcher of the warp-specialised Gluon dQ of tree attention (`packattn.kernels.tree_dq_gluon_ws`).
+"""Launcher of the warp-specialised Gluon dQ of tree attention (`packattn.ops.tree.dq_sm90`).
 
 `use_gluon_tree_dq(q, k, v)` says whether the tree backward (`triton_tree.tree_bwd`) runs it instead
 of the Triton `tree.tree_dq_kernel`: sm_90, float16 / bfloat16, GQA, the Gluon dQ config
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from packattn import env
-from packattn.backends import fast_launch
+from packattn.ops.runtime import fast_launch
 from packattn.backends.triton_base import interpreting
 
 
@@ -21,7 +21,7 @@ def use_gluon_tree_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     """Run the Gluon tree dQ (module docstring) on these tensors?"""
     if interpreting() or not q.is_cuda or env.get("PACKATTN_TRITON_BWD") == "triton":
         return False
-    from packattn.backends.triton_bwd_gluon import dq_config, gluon_bwd_eligible
+    from packattn.ops.varlen.launch_sm90_bwd import dq_config, gluon_bwd_eligible
     from packattn.backends.triton_varlen import launch_config
 
     if not gluon_bwd_eligible(q, k, v):
@@ -34,7 +34,7 @@ def use_gluon_tree_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 def tree_dq_shared_bytes(cfg, head_dim: int, element_size: int = 2) -> int:
     """Shared memory of one CTA: the warp-specialised dQ's (`triton_bwd_gluon.dq_ws_shared_bytes`) plus
     the ring of the blocks' ``key_end`` (``stages x block_n`` int32)."""
-    from packattn.backends.triton_bwd_gluon import dq_ws_shared_bytes
+    from packattn.ops.varlen.launch_sm90_bwd import dq_ws_shared_bytes
 
     return dq_ws_shared_bytes(cfg, head_dim, element_size) + 4 * cfg.stages * cfg.block_n
 
@@ -43,8 +43,8 @@ def tree_dq_ws_resources(cfg, head_dim: int) -> dict:
     """Register split of the kernel (`triton_fwd_gluon.ws_split`, as `triton_bwd_gluon.dq_ws_resources`
     with this kernel's shared memory): at d = 128 (128 x 64, 4 stages) one CTA per SM, maxnreg 168,
     consumers 240, producer 24."""
-    from packattn.backends.triton_bwd_gluon import dq_ws_resources
-    from packattn.backends.triton_fwd_gluon import ws_split
+    from packattn.ops.varlen.launch_sm90_bwd import dq_ws_resources
+    from packattn.ops.varlen.launch_sm90_fwd import ws_split
 
     dq_ws_resources(cfg, head_dim)  # validates the config (block_m 128, block_n 64 / 128, 8 warps, ws)
     return ws_split(cfg.num_warps, tree_dq_shared_bytes(cfg, head_dim))
@@ -55,9 +55,9 @@ def gluon_tree_dq(q, k, v, dout, lse, delta, dq, tiles, intervals, key_end, scal
     / ``intervals``: `triton_tree.build_query_tiles` with ``dq_config(d).block_m`` / ``.block_n``;
     ``key_end``: int32 `Tree.row_subtree_end`; ``lse`` / ``delta`` float32 ``(heads_q, total)``; ``scale
     >= 0``. Tensors that TMA cannot read as ``(rows, heads * d)`` matrices are copied."""
-    from packattn.backends.triton_bwd_gluon import dq_config
-    from packattn.backends.triton_fwd_gluon import LOG2E, _as_tma_tensor, _descriptor, heads_per_section
-    from packattn.kernels.tree_dq_gluon_ws import tree_dq_gluon_ws_kernel
+    from packattn.ops.varlen.launch_sm90_bwd import dq_config
+    from packattn.ops.varlen.launch_sm90_fwd import LOG2E, _as_tma_tensor, _descriptor, heads_per_section
+    from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel
 
     total, heads_q, head_dim = q.shape
     grid = (tiles.shape[0] * heads_q,)

@@ -1,4 +1,4 @@
-"""Launchers of the Gluon Hopper backward (`packattn.kernels.varlen_bwd_gluon`).
+"""Launchers of the Gluon Hopper backward (`packattn.ops.varlen.bwd_sm90`).
 
 `gluon_launch_dkdv` / `gluon_launch_dq` take what the Triton launch paths of
 `packattn.backends.triton_varlen.varlen_bwd` take (`launch_dkdv` and the dq launch below it):
@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from packattn import env
-from packattn.backends import fast_launch
+from packattn.ops.runtime import fast_launch
 from packattn.backends.triton_base import cuda_index
-from packattn.backends.triton_launch import _mask_constexprs
-from packattn.backends.triton_fwd_gluon import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
+from packattn.ops.runtime.launch import _mask_constexprs
+from packattn.ops.varlen.launch_sm90_fwd import (DTYPES, HEAD_DIMS, LOG2E, _capability, _descriptor,
                                                 gluon_fwd_supported, heads_per_section, ws_grid, ws_split)
 
 
@@ -365,7 +365,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(*mask_args, top_left))
     if cfg.warp_specialize:
-        from packattn.kernels.varlen_bwd_gluon_ws import varlen_bwd_dkdv_gluon_ws_kernel
+        from packattn.ops.varlen.bwd_dkdv_sm90 import varlen_bwd_dkdv_gluon_ws_kernel
 
         res = dkdv_ws_resources(cfg, q.shape[-1])
         key_end = key_end if tree else tiles  # KeyEnd: any int32 pointer without the tree mask
@@ -379,7 +379,7 @@ def gluon_launch_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale:
                            dict(blocks, TREE=tree, PERSISTENT=cfg.persistent, CONSUMER_REGS=res["consumer_regs"],
                                 PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
         return
-    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dkdv_gluon_kernel
+    from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dkdv_gluon_kernel
 
     fast_launch.launch(varlen_bwd_dkdv_gluon_kernel, grid, (*tensors, *scalars), dict(blocks, num_warps=cfg.num_warps))
 
@@ -424,7 +424,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **_mask_constexprs(*mask_args, top_left))
     if cfg.warp_specialize:
-        from packattn.kernels.varlen_bwd_gluon_dq_ws import varlen_bwd_dq_gluon_ws_kernel
+        from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel
 
         res = dq_ws_resources(cfg, q.shape[-1], delta_from_o)
         section = heads_per_section(heads_q, heads_q // k.shape[1], short_seqs)
@@ -441,7 +441,7 @@ def gluon_launch_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float
                                 CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4,
                                 maxnreg=res["maxnreg"]))
         return
-    from packattn.kernels.varlen_bwd_gluon import varlen_bwd_dq_gluon_kernel
+    from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dq_gluon_kernel
 
     fast_launch.launch(varlen_bwd_dq_gluon_kernel, grid, (*descs, *rest), dict(blocks, num_warps=cfg.num_warps))
 

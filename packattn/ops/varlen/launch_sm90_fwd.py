@@ -1,4 +1,4 @@
-"""Launcher of the Gluon Hopper forward (`packattn.kernels.varlen_fwd_gluon`).
+"""Launcher of the Gluon Hopper forward (`packattn.ops.varlen.common_sm90`).
 
 `gluon_fwd` does what the body of ``packattn::varlen_fwd`` (`packattn.backends.triton_varlen`)
 does for the Triton forward -- allocate ``out`` / ``lse`` (zeros / -inf where rows belong to no
@@ -42,9 +42,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from packattn import env
-from packattn.backends import fast_launch, triton_base
+from packattn.backends import triton_base
+from packattn.ops.runtime import fast_launch
 from packattn.backends.triton_base import cuda_index
-from packattn.backends.triton_launch import _mask_constexprs
+from packattn.ops.runtime.launch import _mask_constexprs
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -419,7 +420,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``out`` / ``lse``: preallocated outputs whose rows in no sequence already hold 0 / -inf (the
     kernel writes only rows of sequences); allocated here (zero / -inf filled when ``padded_q``)
     when not given."""
-    from packattn.kernels.varlen_fwd_gluon_ws import varlen_fwd_gluon_ws_kernel
+    from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel
 
     total_q, heads_q, head_dim = q.shape  # (`_descriptor` copies what TMA cannot read)
     heads_kv = k.shape[1]
@@ -443,7 +444,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             heads_q, heads_q // heads_kv, scale * LOG2E, window_left, window_right, chunk_size)
     masks = _mask_constexprs(window_left, window_right, chunk_size, top_left)
     if not cfg.warp_specialize:
-        from packattn.kernels.varlen_fwd_gluon import varlen_fwd_gluon_kernel
+        from packattn.ops.varlen.common_sm90 import varlen_fwd_gluon_kernel
 
         fast_launch.launch(varlen_fwd_gluon_kernel, (num_work,), args, dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **masks,

@@ -1,6 +1,6 @@
 """Warp-specialised dQ backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Same contract as `packattn.kernels.varlen_bwd_gluon.varlen_bwd_dq_gluon_kernel` (read its module
+Same contract as `packattn.ops.varlen.bwd_sm90.varlen_bwd_dq_gluon_kernel` (read its module
 docstring): one program per (query tile of ``BLOCK_M = 128`` queries -- or 64, ONE CONSUMER below --,
 query head), tile-table rows ``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` built by
 ``tile_table(seqs, mask, False, BLOCK_M, BLOCK_N)``, key blocks ``n_lo + j * BLOCK_N`` of ``[n_lo,
@@ -9,8 +9,8 @@ band ``[n_mid_lo, n_mid_hi)``; K / V rows past ``len_kv`` zeroed in shared memor
 reads them; dQ (times ``scale``) stored for rows inside the sequence only; no atomics
 (deterministic); queries that see no key get dQ = 0.
 Selected by ``GluonBwdConfig.warp_specialize`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws``) in
-`packattn.backends.triton_bwd_gluon`. The partitions, barriers and register split are those of
-`packattn.kernels.varlen_bwd_gluon_ws` (dK/dV) with the roles of queries and keys swapped.
+`packattn.ops.varlen.launch_sm90_bwd`. The partitions, barriers and register split are those of
+`packattn.ops.varlen.bwd_dkdv_sm90` (dK/dV) with the roles of queries and keys swapped.
 
 Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
 worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
@@ -146,13 +146,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.kernels.varlen_bwd_gluon import _lse_log2, _probs, _row_vector, _store_tile
-from packattn.kernels.varlen_bwd_gluon_dq_delta import _delta_from_o
-from packattn.kernels.varlen_bwd_gluon_dq_ws_producer import Q_PHASE_BIT, _dq_tile, _dq_ws_producer
-from packattn.kernels.varlen_bwd_gluon_ws import _count_tail, _store_rows_direct, _tail_phase
-from packattn.kernels.varlen_bwd_gluon_ws_load import ITEM_MASK
-from packattn.kernels.varlen_fwd_gluon import _to_operand, _zero_v_tail, mma_layout
-from packattn.kernels.varlen_fwd_gluon_ws import (_opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers,
+from packattn.ops.varlen.bwd_sm90 import _lse_log2, _probs, _row_vector, _store_tile
+from packattn.ops.varlen.bwd_dq_sm90_delta import _delta_from_o
+from packattn.ops.varlen.bwd_dq_sm90_load import Q_PHASE_BIT, _dq_tile, _dq_ws_producer
+from packattn.ops.varlen.bwd_dkdv_sm90 import _count_tail, _store_rows_direct, _tail_phase
+from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK
+from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
+from packattn.ops.varlen.fwd_sm90 import (_opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers,
                                                   _work_item)
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
@@ -162,7 +162,7 @@ WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 
 @gluon.jit
 def _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, ends, qk_scale_log2, BLOCK_N: gl.constexpr,
                 s_layout: gl.constexpr):
-    """`varlen_bwd_gluon._probs` with the tree mask (`packattn.kernels.tree`): query ``t`` sees key ``s``
+    """`varlen_bwd_gluon._probs` with the tree mask (`packattn.ops.tree.kernels_triton`): query ``t`` sees key ``s``
     iff ``s <= t < key_end[s]``; ``ends``: shared memory holding ``key_end`` of the block's keys (0 past
     the tree: no query sees them), read only in masked blocks."""
     p = gl.exp2(s * qk_scale_log2 - lse_log2[:, None])

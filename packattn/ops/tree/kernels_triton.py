@@ -18,9 +18,9 @@ with ``TREE=True`` (the queries that see a key block form one contiguous range: 
 import triton
 import triton.language as tl
 
-from packattn.kernels.varlen_bwd import LOG2E, _dq_from_key_blocks
-from packattn.kernels.varlen_common import finish_softmax, load_rows, store_rows
-from packattn.kernels.varlen_fwd import _attend_key_blocks
+from packattn.ops.varlen.bwd_triton import LOG2E, _dq_from_key_blocks
+from packattn.ops.varlen.common_triton import finish_softmax, load_rows, store_rows
+from packattn.ops.varlen.fwd_triton import _attend_key_blocks
 
 
 @triton.jit

@@ -1,1 +1,0 @@
-"""@triton.jit code only; launchers live in `packattn.backends`."""
