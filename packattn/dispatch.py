@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from packattn import backends, env
-from packattn.backends.lengths import SHORT_SEQLEN, short_batch
+from packattn.lengths import SHORT_SEQLEN, short_batch
 from packattn.mask import Mask
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class Params:
 
     @property
     def short_seqs(self) -> bool:
-        """No sequence longer than `backends.lengths.SHORT_SEQLEN` (queries or keys): `backends.lengths.short_batch`."""
+        """No sequence longer than `lengths.SHORT_SEQLEN` (queries or keys): `lengths.short_batch`."""
         return short_batch(self.max_seqlen_q, self.max_seqlen_kv)
 
 

@@ -54,6 +54,16 @@ class Backend:
         """Return ``(out, lse)``; ``lse`` float32 ``(heads_q, total_q)`` or None when not asked for."""
         raise NotImplementedError
 
+    def backward_from_stats(self, problem: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                            dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(dq, dk, dv)`` of ``problem``'s attention taken with the given softmax statistics instead of its own:
+        ``out`` / ``lse`` (float32 ``(heads_q, total_q)``) may be those of a larger attention that this problem is
+        one part of (context parallelism merges parts by lse), ``dout`` / ``dlse`` (or None) the gradients flowing
+        into them. Each part's probabilities are ``exp(s - lse)`` and ``delta = rowsum(dout * out) - dlse``, so the
+        parts' gradients add up to the whole's without recomputing the parts' own outputs. None: this backend
+        cannot (the caller recomputes the part with autograd)."""
+        return None
+
 
 def flash_kernel_unsupported(params) -> str | None:
     """Limits shared by the FlashAttention-family backends (torch_varlen, fa4): CUDA, a varlen or

@@ -31,7 +31,7 @@ from packattn.ops.runtime import fast_op
 from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
 from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
 from packattn.backends.base import Problem
-from packattn.backends.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (re-exported)
+from packattn.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (re-exported)
 from packattn.backends.triton_base import TritonBackend, device_unsupported, interpreting
 from packattn.ops.runtime.launch import (  # noqa: F401 (configs re-exported: benchmarks, scripts)
     FALLBACK_CONFIGS, FP32_CONFIGS, HOPPER_CONFIGS, PREPROCESS_BLOCK_M, LaunchConfig, _last_dim_contiguous, _launch,
@@ -45,7 +45,7 @@ TILE_FIELDS = 6  # seq, start, lo, mid_lo, mid_hi, hi
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs
 # (`triton_launch.HOPPER_LONG_FWD_CONFIGS`, where the measurements are; `triton_fwd_gluon.config_for`).
 LONG_SEQLEN = 8192
-# SHORT_SEQLEN / short_batch (`packattn.backends.lengths`, shared with dispatch): the Gluon forward and dQ take
+# SHORT_SEQLEN / short_batch (`packattn.lengths`, shared with dispatch): the Gluon forward and dQ take
 # their short-sequence configs at d = 128 (`triton_fwd_gluon.SHORT_CONFIGS`, `triton_bwd_gluon.DQ_SHORT_CONFIGS`).
 
 
