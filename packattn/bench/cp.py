@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
 import packattn
 import packattn.cp as cp
+from packattn import env as environment
 from packattn.bench.plotting import pyplot
 from packattn.bench.workloads import Workload, doc_lengths
 
@@ -160,13 +160,13 @@ def _single_gpu(backend: str, docs: str) -> tuple[float, float]:
 def run_cp_bench(strategies=None, balances=None, backend: str = "triton", json_path: str | None = None,
                  check: bool = True, overlap_groups: list[int] | None = None, docs: str = "w10",
                  plot_path: str | None = None) -> int:
-    if "RANK" not in os.environ:
+    if environment.get("RANK") is None:
         print("packattn bench --cp runs under torchrun, e.g.\n"
               "  torchrun --nproc_per_node 2 -m packattn.cli bench --cp --json W10.json")
         return 2
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(int(environment.get("LOCAL_RANK", str(rank))))
     w = w10(world, docs)
     seqs, q, k, v = w.make_inputs("cuda", torch.bfloat16, seed=0)  # the same global inputs on every rank
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(1))

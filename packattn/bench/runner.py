@@ -20,9 +20,9 @@ def _do_bench(fn) -> float:
     """Median ms of ``fn`` over 100 ms of calls, after 250 ms of the same calls: on an H100 our kernels run
     at the 700 W power limit (1560-1680 MHz where torch's varlen_attn keeps 1965), and the clocks a row
     starts with depend on the row before it, so the warm-up is long enough for them to move towards this
-    call's own level (results/2026-11-25/s11_bench_order_h100.txt: W1 forward 0.828-0.904 ms across runs
-    with 25 ms warm-ups). It did not remove the drift of W3's forward in the full bench (benchmarks/NOTES.md,
-    "W3 against W1"); measuring every row in several rounds did (`run_bench`'s ``rounds``)."""
+    call's own level (with 25 ms warm-ups W1's forward varied by 9% across runs). It did not remove the drift
+    of W3's forward in the full bench (benchmarks/NOTES.md, "W3 against W1"); measuring every row in several
+    rounds did (`run_bench`'s ``rounds``)."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=250, rep=100, return_mode="median")
@@ -117,8 +117,8 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
     """Time ``workloads`` x ``impls`` (table, JSON, plot). ``autograd_threads=False`` runs every
     implementation's backward on the calling thread (`torch.autograd.set_multithreading_enabled`)
     instead of autograd's CUDA device thread, whose hand-off costs a few hundred microseconds of host time
-    per backward on some hosts (benchmarks/probe_autograd_threads.py): what a host-bound call measures.
-    ``heat_up_seconds``: matmuls first, so that early rows are not timed on a cold GPU (`_heat_up`); every
+    per backward on some hosts (benchmarks/NOTES.md, "Host: autograd's CUDA device thread"): what a host-bound
+    call measures. ``heat_up_seconds``: matmuls first, so that early rows do not run on a cold GPU (`_heat_up`); every
     row records the SM clock, temperature and power after it (`_gpu_state`). ``pause_seconds``: the GPU idles
     this long before each row, so that every row starts from a similar temperature, not from the heat
     the row before it left (a dense-SDPA row, the hottest, is followed by the next workload's rows).
