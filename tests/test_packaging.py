@@ -1,6 +1,6 @@
 """Packaging: the declared dependency ranges (bounded on both sides, floors CI can install), the LICENSE, the
-README's CPU install, and the Triton release gates (`triton_base.GLUON_TRITON`, `FAST_LAUNCH_TRITON`): on an
-unchecked release the Gluon kernels and fast launches stay off, with the reason logged once."""
+README's CPU install, and the Triton release gates (`packattn.ops.runtime.support.GLUON_TRITON`, `FAST_LAUNCH_TRITON`):
+on an unchecked release the Gluon kernels and fast launches stay off, with the reason logged once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tomllib
 import pytest
 import torch
 
-from packattn.backends import triton_base
+from packattn.ops.runtime import support
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +37,7 @@ def test_torch_and_triton_ranges_are_bounded_and_their_floors_pair_up():
     pins = _ci_pins().floor_pins(_project(), [])
     # torch 2.11 requires triton 3.6.0: the floors must be one installable pair
     assert pins == ["torch==2.11", "triton==3.6 ; platform_system == 'Linux'"]
-    assert ".".join(pins[1].split("==")[1].split()[0].split(".")[:2]) in triton_base.GLUON_TRITON
+    assert ".".join(pins[1].split("==")[1].split()[0].split(".")[:2]) in support.GLUON_TRITON
 
 
 def test_floor_pins_follow_every_lower_bound():
@@ -70,48 +70,46 @@ def test_readme_tells_cpu_users_how_to_get_the_cpu_build():
 @pytest.mark.parametrize("version, on", [("3.6.0", True), ("3.6.1+git0123", True), ("3.9.0", False),
                                          ("3.10.0", False), ("3.60.0", False)])
 def test_gluon_runs_only_on_listed_triton_releases(version, on):
-    reason = triton_base.gluon_unsupported(version)
+    reason = support.gluon_unsupported(version)
     assert (reason is None) == on
     if not on:
         assert version in reason and "3.6" in reason and "Triton kernels run instead" in reason
 
 
 def test_no_triton_is_a_reason_too(monkeypatch):
-    monkeypatch.setattr(triton_base, "triton_version", lambda: None)
-    assert "not installed" in triton_base.gluon_unsupported()
+    monkeypatch.setattr(support, "triton_version", lambda: None)
+    assert "not installed" in support.gluon_unsupported()
 
 
 def test_gluon_off_hides_hopper_from_every_gluon_test_and_logs_once(monkeypatch, caplog):
-    """`triton_fwd_gluon._capability` is the one device test of the Gluon forward, backward and tree paths."""
-    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
+    """`sm90._capability` is the one device test of the Gluon forward, backward and tree paths."""
+    from packattn.ops.runtime import sm90
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    monkeypatch.setattr(triton_fwd_gluon, "_GLUON_OFF", "Gluon kernels off: test reason")
-    monkeypatch.setattr(triton_base, "_logged", set())
-    triton_fwd_gluon._capability.cache_clear()
+    monkeypatch.setattr(sm90, "_GLUON_OFF", "Gluon kernels off: test reason")
+    monkeypatch.setattr(support, "_logged", set())
+    sm90._capability.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="packattn.triton"):
-            assert triton_fwd_gluon._capability(0) == (0, 0) and triton_fwd_gluon._capability(1) == (0, 0)
+            assert sm90._capability(0) == (0, 0) and sm90._capability(1) == (0, 0)
         assert [r.getMessage() for r in caplog.records] == ["Gluon kernels off: test reason"]
-        assert triton_bwd_gluon._capability is triton_fwd_gluon._capability
-        monkeypatch.setattr(triton_fwd_gluon, "_GLUON_OFF", None)
-        triton_fwd_gluon._capability.cache_clear()
-        assert triton_fwd_gluon._capability(0) == (9, 0)
+        monkeypatch.setattr(sm90, "_GLUON_OFF", None)
+        sm90._capability.cache_clear()
+        assert sm90._capability(0) == (9, 0)
     finally:
-        triton_fwd_gluon._capability.cache_clear()
+        sm90._capability.cache_clear()
 
 
 def test_fast_launch_stays_off_on_an_unchecked_release(monkeypatch, caplog):
     pytest.importorskip("triton")
     from packattn.ops.runtime import fast_launch
 
-    reason = triton_base.release_unsupported("fast launches", triton_base.FAST_LAUNCH_TRITON, "3.9.0", "slow path")
+    reason = support.release_unsupported("fast launches", support.FAST_LAUNCH_TRITON, "3.9.0", "slow path")
     assert reason == "fast launches off: built for Triton 3.6, found 3.9.0; slow path"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("PACKATTN_FAST_LAUNCH", raising=False)
+    monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
     monkeypatch.setattr(fast_launch, "_RELEASE_OFF", reason)
-    monkeypatch.setattr(triton_base, "_logged", set())
+    monkeypatch.setattr(support, "_logged", set())
     with caplog.at_level(logging.WARNING, logger="packattn.triton"):
         assert not fast_launch.enabled() and not fast_launch.enabled()
     assert [r.getMessage() for r in caplog.records] == [reason]
