@@ -6,13 +6,14 @@ wall time per call (sync after each call) and the do_bench median (what `packatt
 ``--forward``: the forward alone.
 
     python3 benchmarks/kernel_breakdown.py W8 W1 W7 docs:1024 [--iters 20]
-    python3 benchmarks/kernel_breakdown.py W8 --variant "" --variant "PACKATTN_GLUON_FWD_CONFIG=128,128,3,8,ws"
+    python3 benchmarks/kernel_breakdown.py W8 --variant "" --variant "fwd=GluonConfig(128, 128, 3, 8)"
 
-``--variant``: environment settings ("NAME=VALUE;NAME=VALUE", "" for none) under which every workload is
-broken down again, one after the other in this process (the launchers read these switches per call).
+``--variant``: config overrides ("NAME=VALUE;NAME=VALUE", "" for none; the format of `ab_configs.py`, applied
+through `packattn.ops.varlen.configs.override`) under which every workload is broken down again, one after the
+other in this process.
 ``--repeat R``: the whole list of variants R times, interleaved (A B A B ...), and ``--pause S`` seconds of idle
 GPU before each breakdown: an H100 at its power limit runs the same kernels 10-20% slower hot than cool, so a
-single A-then-B comparison measures the heat as much as the variants (benchmarks/NOTES.md, session 15). With
+single A-then-B comparison measures the heat as much as the variants (benchmarks/NOTES.md). With
 more than one variant or repeat a summary follows: per workload and variant the median, lowest and highest GPU
 time and do_bench time over the repeats, and the SM clock recorded after each breakdown.
 
@@ -28,7 +29,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from unittest import mock
 
 import torch
 import triton.testing
@@ -37,6 +37,9 @@ from torch.profiler import ProfilerActivity, profile
 import packattn
 from packattn.bench.runner import _gpu_state
 from packattn.bench.workloads import Workload, tree_workloads, varlen_workloads
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_configs import variant as configs_variant  # noqa: E402
 
 
 def step_fn(w, forward_only: bool = False):
@@ -108,7 +111,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--forward", action="store_true", help="the forward alone (inputs requiring grad)")
-    parser.add_argument("--variant", action="append", help='"NAME=VALUE;NAME=VALUE" ("" = as is); repeatable')
+    parser.add_argument("--variant", action="append", help='config overrides "NAME=VALUE;..." ("" = as is); repeatable')
     parser.add_argument("--repeat", type=int, default=1, help="run the list of variants this many times, interleaved")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds of idle GPU before each breakdown")
     args = parser.parse_args(argv)
@@ -123,10 +126,9 @@ def main(argv: list[str]) -> int:
     results = defaultdict(list)
     for repeat in range(args.repeat):
         for variant in variants:
-            settings = dict(item.split("=", 1) for item in variant.split(";") if item)
             if variant or args.repeat > 1:
                 print(f"\n## variant {variant or '(as is)'}" + (f", repeat {repeat + 1}" if args.repeat > 1 else ""))
-            with mock.patch.dict(os.environ, settings):
+            with configs_variant(variant):
                 for name in args.workloads:
                     time.sleep(args.pause)
                     result = breakdown(name, table[name], args.iters, args.forward)

@@ -1,12 +1,16 @@
-"""Sweep launch configs of the Triton varlen kernels on the GPU (one device call).
+"""Sweep launch configs of the portable Triton varlen kernels on the GPU (one device call).
 
-usage: [TUNE_KERNELS=fwd,dkdv,dq] [TUNE_CONFIGS="M,N,w,s;..."] python3 benchmarks/tune_triton.py [W1 W8 ...]
-For each workload: forward time per fwd config; then fwd+bwd time per dkdv config and per dq
-config (the other kernels at their current configs). Prints a table per kernel, best first.
+usage: python3 benchmarks/tune_triton.py [W1 W8 ...] [--kernels fwd,dkdv,dq] [--configs "M,N,w,s;..."]
+For each workload: forward time per fwd config; then fwd+bwd time per dkdv config and per dq config (the other
+kernels at their current configs), at head dim 128 (BLOCK_D 128). Prints a table per kernel, best first.
+The sweep runs with ``PACKATTN_PORTABLE=1`` (the Triton kernels, not the Hopper Gluon ones) and sets the
+`HOPPER_CONFIGS` entry under test through `packattn.ops.varlen.configs.override`. ``--configs`` replaces the
+lists below (repeats allowed: an A/B, in the order given).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -14,8 +18,9 @@ import torch
 import triton.testing
 
 import packattn
-from packattn.backends import triton_varlen as tv
 from packattn.bench.workloads import varlen_workloads
+from packattn.ops.runtime import launch
+from packattn.ops.varlen import configs
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
 DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2),
@@ -28,54 +33,54 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median")
 
 
-def main(names):
+def run(w, q, k, v, dout, kernel: str, cfg: tuple, fwd_only: bool) -> tuple[float, float]:
+    """``(ms, TF/s)`` of workload ``w`` with ``cfg`` as the Triton ``kernel``'s config at BLOCK_D 128."""
+    table = dict(configs.HOPPER_CONFIGS, **{(kernel, 128): launch.LaunchConfig(*cfg)})
+    with configs.override(HOPPER_CONFIGS=table, HOPPER_LONG_FWD_CONFIGS={}):
+        launch._reduced_stages.clear()
+        seqs = w.varlen("cuda")  # fresh per-batch tile tables for these block sizes
+        if fwd_only:
+            with torch.no_grad():
+                ms = bench(lambda: packattn.attention(q, k, v, seqs, backend="triton", **w.options))
+            return ms, w.fwd_flops() / ms / 1e9
+
+        def step():
+            out = packattn.attention(q, k, v, seqs, backend="triton", **w.options)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        ms = bench(step)
+        return ms, w.fwdbwd_flops() / ms / 1e9
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="*", default=["W1", "W8"])
+    parser.add_argument("--kernels", default="fwd,dkdv,dq")
+    parser.add_argument("--configs", default=None, help='"BLOCK_M,BLOCK_N,warps,stages;..." instead of the lists')
+    args = parser.parse_args(argv)
+    os.environ["PACKATTN_PORTABLE"] = "1"
+    listed = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")] if args.configs else None
     table = varlen_workloads()
-    original = dict(tv.HOPPER_CONFIGS)
-    for name in names:
+    for name in args.workloads:
         w = table[name]
-        seqs0, q, k, v = w.make_inputs("cuda", torch.bfloat16)
+        _, q, k, v = w.make_inputs("cuda", torch.bfloat16)
         dout = torch.randn_like(q)
-        flops = w.fwd_flops()
-
-        def run(kernel, cfg, fwd_only):
-            tv.HOPPER_CONFIGS.clear()
-            tv.HOPPER_CONFIGS.update(original)
-            tv.HOPPER_CONFIGS[(kernel, 128)] = tv.LaunchConfig(*cfg)
-            tv._reduced_stages.clear()
-            seqs = w.varlen("cuda")  # fresh per-batch tile tables for these block sizes
-            if fwd_only:
-                with torch.no_grad():
-                    ms = bench(lambda: packattn.attention(q, k, v, seqs, backend="triton", **w.options))
-                return ms, flops / ms / 1e9
-            def step():
-                out = packattn.attention(q, k, v, seqs, backend="triton", **w.options)
-                torch.autograd.grad(out, (q, k, v), dout)
-            ms = bench(step)
-            return ms, 3.5 * flops / ms / 1e9
-
-        kernels = os.environ.get("TUNE_KERNELS", "fwd,dkdv,dq").split(",")
-        override = os.environ.get("TUNE_CONFIGS")  # e.g. "32,64,4,3;64,128,8,3;32,64,4,3" (repeats allowed: A/B)
-        listed = [tuple(int(x) for x in c.split(",")) for c in override.split(";")] if override else None
-        for kernel, configs, fwd_only in (("fwd", listed or FWD, True), ("dkdv", listed or DKDV, False),
-                                          ("dq", listed or DQ, False)):
-            if kernel not in kernels:
+        for kernel, candidates, fwd_only in (("fwd", FWD, True), ("dkdv", DKDV, False), ("dq", DQ, False)):
+            if kernel not in args.kernels.split(","):
                 continue
             rows = []
-            for cfg in configs:
+            for cfg in listed or candidates:
                 try:
-                    ms, tf = run(kernel, cfg, fwd_only)
-                    rows.append((ms, tf, cfg, ""))
-                except Exception as e:  # noqa: BLE001
+                    rows.append((*run(w, q, k, v, dout, kernel, cfg, fwd_only), cfg, ""))
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is a row
                     rows.append((float("inf"), 0.0, cfg, f"{type(e).__name__}: {str(e)[:60]}"))
             if not listed:
                 rows.sort()
-            label = "fwd" if fwd_only else "fwd+bwd"
-            print(f"\n{name} {kernel} ({label} time; BLOCK_M, BLOCK_N, warps, stages)")
+            print(f"\n{name} {kernel} ({'fwd' if fwd_only else 'fwd+bwd'} time; BLOCK_M, BLOCK_N, warps, stages)")
             for ms, tf, cfg, err in rows:
                 print(f"  {cfg}  {ms:8.3f} ms  {tf:6.1f} TF/s {err}")
-    tv.HOPPER_CONFIGS.clear()
-    tv.HOPPER_CONFIGS.update(original)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["W1", "W8"])
+    sys.exit(main(sys.argv[1:]))
