@@ -6,8 +6,8 @@ seeded global inputs on every rank, single-process float64 reference vs the CP r
 lse, dq, dk, dv gathered back to the global layout (machinery in tests/cp_harness.py). World 4
 also builds 2-D DeviceMeshes for the hybrid cases: (2, 2) with the dimension names in either
 order, the degenerate (1, 4) (unnamed: pure all-to-all) and (4, 1) (pure all-gather), and a (1, 2)
-sub-mesh of a (dp=2, 1, 2) mesh (a mesh smaller than the world). When `packattn.cp.ring` exists, a
-few hybrid cases run its P2P ring as the outer executor.
+sub-mesh of a (dp=2, 1, 2) mesh (a mesh smaller than the world). A few hybrid cases run the P2P
+ring (`packattn.cp.ring`) as the outer executor.
 """
 
 from __future__ import annotations
@@ -53,12 +53,6 @@ MESHES = {  # name: (shape, mesh_dim_names); world 4 only
 }
 
 
-def _has_ring() -> bool:
-    from packattn.cp.hybrid import default_outer
-
-    return default_outer() == "p2p"
-
-
 def _cases(world):
     cases = {}
     for i, (doc, mask, heads) in enumerate(itertools.product(list(DOCS)[:4], MASKS, HEADS)):
@@ -92,12 +86,12 @@ def _cases(world):
                                                      seed=302, mesh="2x2", lse_in_loss=True)
     cases["hybrid-nasty-win_3_0-deterministic"] = dict(strategy="a2a+p2p", doc="nasty", mask="win_3_0", heads="gqa",
                                                        seed=301, mesh="2x2", deterministic=True)
-    if _has_ring():  # the P2P outer executor; windows and chunks fall back to the all-gather one (exact)
-        for doc, mask in (("nasty", "causal"), ("padded", "full"), ("padded", "win_2_3"), ("one_doc", "causal_chunk")):
-            ring_runs = mask in ("causal", "full")
-            cases[f"hybrid-{doc}-{mask}-outer_p2p"] = dict(strategy="a2a+p2p", doc=doc, mask=mask, heads="gqa",
-                                                           seed=400, mesh="2x2", outer="p2p",
-                                                           tol=TOL64_RING if ring_runs else TOL64)
+    # the P2P outer executor; windows and chunks fall back to the all-gather one (exact)
+    for doc, mask in (("nasty", "causal"), ("padded", "full"), ("padded", "win_2_3"), ("one_doc", "causal_chunk")):
+        ring_runs = mask in ("causal", "full")
+        cases[f"hybrid-{doc}-{mask}-outer_p2p"] = dict(strategy="a2a+p2p", doc=doc, mask=mask, heads="gqa",
+                                                       seed=400, mesh="2x2", outer="p2p",
+                                                       tol=TOL64_RING if ring_runs else TOL64)
     return cases
 
 
@@ -256,13 +250,8 @@ def test_hybrid_plan_errors():
         cp.plan(seqs, world=(2, 2), rank=0, strategy="a2a+p2p", outer="tree")
     with pytest.raises(ValueError, match="outer="):
         cp.plan(seqs, world=2, rank=0, strategy="a2a", outer="allgather")
-    from packattn.cp.hybrid import default_outer
-
     p = cp.plan(seqs, world=(2, 2), rank=3, strategy="hybrid")
-    assert p.outer.strategy == default_outer()
-    if not _has_ring():
-        with pytest.raises(ValueError, match="packattn.cp.ring"):
-            cp.plan(seqs, world=(2, 2), rank=0, strategy="a2a+p2p", outer="p2p")
+    assert p.outer.strategy == "p2p"  # the default outer executor
 
 
 def test_a2a_heads_error_needs_no_process_group():

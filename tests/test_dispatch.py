@@ -336,8 +336,14 @@ def test_packattn_log_dispatch_prints_without_logging_setup(tmp_path):
 
 def test_the_short_batch_rule_has_one_place():
     """Dispatch keys FA4's deferral and the triton backend picks its short-batch tiles on one rule,
-    `packattn.backends.lengths` (light enough for dispatch to import)."""
-    from packattn.backends import lengths, triton_varlen
+    `packattn.lengths` (light enough for dispatch to import): no other module of packattn/ defines it."""
+    import re
+    from pathlib import Path
+
+    from packattn import lengths
 
     assert dispatch.short_batch is lengths.short_batch
-    assert triton_varlen.short_batch is lengths.short_batch and triton_varlen.SHORT_SEQLEN is lengths.SHORT_SEQLEN
+    root = Path(lengths.__file__).parent
+    defining = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                if re.search(r"^(SHORT_SEQLEN\s*=|def short_batch\b)", p.read_text(), re.M)]
+    assert defining == ["lengths.py"], defining

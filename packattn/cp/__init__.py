@@ -15,7 +15,7 @@ every mask, windows and chunks included: `packattn.cp.ring`); `packattn.Tree` de
 overlaps its collectives with compute per group of kv heads (``overlap_groups``).
 """
 
-from packattn.cp.api import attention
-from packattn.cp.plan import CPPlan, plan
+from packattn.cp.api import attention, plan
+from packattn.cp.plan import CPPlan
 
 __all__ = ["CPPlan", "attention", "plan"]

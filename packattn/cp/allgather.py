@@ -62,12 +62,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 
 import torch
 from torch.autograd.function import once_differentiable
 
 import packattn
+from packattn import env
 from packattn import mask as masks
 from packattn.cp.comm import (
     Pending,
@@ -75,14 +75,15 @@ from packattn.cp.comm import (
     start_gather_rows,
     start_reduce_scatter_rows,
 )
-from packattn.cp.plan import CPPlan, gathered_layout
+from packattn.cp.executor import Call
+from packattn.cp.plan import CPPlan, gathered_layout, segments
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
-# kv-head groups when neither the call nor the environment says: 1 (one collective, as before the
-# overlap) until the overlap is measured on GPUs (`packattn bench --cp --overlap-groups 1 2 4`)
+# kv-head groups when neither the call nor the environment says: one collective, no overlap
+# (`packattn bench --cp --overlap-groups 1 2 4` compares)
 DEFAULT_OVERLAP_GROUPS = 1
-ENV_OVERLAP_GROUPS = "PACKATTN_CP_OVERLAP_GROUPS"  # overrides DEFAULT_OVERLAP_GROUPS (e.g. 1 for A/B runs)
+ENV_OVERLAP_GROUPS = "PACKATTN_CP_OVERLAP_GROUPS"  # overrides DEFAULT_OVERLAP_GROUPS
 
 
 @dataclasses.dataclass
@@ -97,13 +98,6 @@ class LocalLayout:
     q_identity: bool  # the q buffer is the local q itself (no dummy rows, no padding rows): no copies
     kv_identity: bool  # the kv buffer is the local k/v itself (nothing gathered, no duplicates): no copies
     out_index: torch.Tensor  # (num_local,) row of the q buffer, or its length for a zero row (padding)
-
-
-def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows laid out as consecutive segments of ``lengths``: each row's segment and offset in it."""
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return seg, torch.arange(seg.numel()) - starts[seg]
 
 
 def local_key_ranges(mask: Mask, a, b, length):
@@ -144,9 +138,9 @@ def build_layout(plan: CPPlan, mask: Mask, device) -> LocalLayout:
     local_pos = plan.flat_pos - plan.owner * plan.max_local  # every row's index on its owner
     local_start = local_pos[first + a] if a.numel() else a
 
-    seg, off = _segments(e - a)
+    seg, off = segments(e - a)
     q_index = torch.where(off < (b - a)[seg], local_start[seg] + off, torch.full_like(off, n_local))
-    seg_k, off_k = _segments(kh - kl)
+    seg_k, off_k = segments(kh - kl)
     key_rows = first[seg_k] + kl[seg_k] + off_k
     gathered, max_shared = _shared_rows(plan)
     mine = plan.owner[key_rows] == plan.rank
@@ -170,8 +164,8 @@ def resolve_overlap_groups(requested: int | None, heads_kv: int) -> int:
     of `packattn.cp.attention`), else the environment variable ``PACKATTN_CP_OVERLAP_GROUPS``, else
     `DEFAULT_OVERLAP_GROUPS`; clamped to ``heads_kv``. ``G = 1``: one collective, no overlap."""
     if requested is None:
-        env = os.environ.get(ENV_OVERLAP_GROUPS, "").strip()
-        requested = int(env) if env.isdigit() else (env or DEFAULT_OVERLAP_GROUPS)
+        raw = (env.get(ENV_OVERLAP_GROUPS, "") or "").strip()
+        requested = int(raw) if raw.isdigit() else (raw or DEFAULT_OVERLAP_GROUPS)
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ValueError(f"overlap_groups (or ${ENV_OVERLAP_GROUPS}) must be a positive int, got {requested!r}")
     return min(requested, heads_kv)
@@ -332,27 +326,13 @@ class _OverlappedGroups(torch.autograd.Function):
         return torch.cat(dq, dim=1), torch.cat(dk, dim=1), torch.cat(dv, dim=1), None, None, None, None, None, None
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: CPPlan,
-    *,
-    causal: bool | str = False,
-    window: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    deterministic: bool = False,
-    overlap_groups: int | None = None,
-):
-    """The all-gather executor of `packattn.cp.attention` (arguments checked there). ``overlap_groups``:
-    kv-head groups whose communication overlaps compute (`resolve_overlap_groups`; module docstring)."""
-    mask = Mask.make(causal, window, chunk_size)
-    groups = resolve_overlap_groups(overlap_groups, k.shape[1])
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, call: Call):
+    """The all-gather executor (`packattn.cp.executor`). ``call.overlap_groups``: kv-head groups whose
+    communication overlaps compute (`resolve_overlap_groups`; module docstring)."""
+    mask = call.mask
+    groups = resolve_overlap_groups(call.overlap_groups, k.shape[1])
     layout = plan.cached(("allgather", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
-    opts = {"scale": scale, "backend": backend, "return_lse": return_lse, "deterministic": deterministic}
+    opts = {**call.options(), "return_lse": call.return_lse}
 
     q_buf = _query_buffer(q, layout)
     if layout.kv_identity:  # every key this rank needs is its own, in order (e.g. whole documents)
@@ -367,6 +347,5 @@ def attention(
     else:
         track = torch.is_grad_enabled() and any(t.requires_grad for t in (q_buf, k, v))  # keep graphs for backward
         res = _OverlappedGroups.apply(q_buf, k, v, plan, layout, mask, opts, head_groups(k.shape[1], groups), track)
-        out_buf, lse_buf = res if return_lse else (res, None)
-    out, lse = _local_rows(out_buf, lse_buf, layout)
-    return (out, lse) if return_lse else out
+        out_buf, lse_buf = res if call.return_lse else (res, None)
+    return _local_rows(out_buf, lse_buf, layout)

@@ -37,8 +37,8 @@ import torch
 
 import packattn
 from packattn.cp.comm import all_to_all_rows
+from packattn.cp.executor import Call
 from packattn.cp.plan import CPPlan
-from packattn.mask import Mask
 
 
 @dataclasses.dataclass
@@ -169,33 +169,20 @@ def exchange_heads_for_rows(out, lse, ex: Exchange, split: HeadSplit):
     return out, lse
 
 
-def attend(q, k, v, descriptor, *, return_lse, **options):
-    """`packattn.attention` on the gathered rows with the caller's options passed through
-    untouched; returns ``(out, lse or None)``."""
+def attend(q, k, v, descriptor, call: Call):
+    """`packattn.attention` on the gathered rows with the call's mask and options; returns
+    ``(out, lse or None)``."""
     if q.shape[0] == 0:  # an empty batch; stay attached to the graph so backward runs
         tie = q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()
         out = q.new_zeros(0, q.shape[1], v.shape[2]) + tie
-        return out, (torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device) if return_lse else None)
-    res = packattn.attention(q, k, v, descriptor, return_lse=return_lse, **options)
-    return res if return_lse else (res, None)
+        return out, (torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device) if call.return_lse else None)
+    res = packattn.attention(q, k, v, descriptor, causal=call.causal, window=call.window, chunk_size=call.chunk_size,
+                             return_lse=call.return_lse, **call.options())
+    return res if call.return_lse else (res, None)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: CPPlan,
-    *,
-    causal: bool | str = False,
-    window: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    deterministic: bool = False,
-):
-    """The all-to-all executor of `packattn.cp.attention` (arguments checked there)."""
-    Mask.make(causal, window, chunk_size)  # bad options fail here, before any communication
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, call: Call):
+    """The all-to-all executor (`packattn.cp.executor`)."""
     check_heads(q, k, v, plan.world, plan.strategy)
     device = q.device
     ex = plan.cached(("a2a", str(device)), lambda: Exchange.build(
@@ -203,7 +190,5 @@ def attention(
     split = plan.cached(("a2a heads", q.shape[1], k.shape[1], str(device)),
                         lambda: HeadSplit.build(q.shape[1], k.shape[1], plan.world, device))
     q_g, k_g, v_g = exchange_rows_for_heads(q, k, v, ex, split)
-    out, lse = attend(q_g, k_g, v_g, plan.descriptor, causal=causal, window=window, chunk_size=chunk_size,
-                      scale=scale, backend=backend, return_lse=return_lse, deterministic=deterministic)
-    out, lse = exchange_heads_for_rows(out, lse, ex, split)
-    return (out, lse) if return_lse else out
+    out, lse = attend(q_g, k_g, v_g, plan.descriptor, call)
+    return exchange_heads_for_rows(out, lse, ex, split)

@@ -30,8 +30,7 @@ Backward runs the same three steps in reverse through autograd.
 
 Outer executor, chosen by name with ``plan(..., outer=NAME)``: ``"allgather"``
 (`packattn.cp.allgather`: all-gather K/V, reduce-scatter dK/dV) or ``"p2p"`` (the P2P ring of
-`packattn.cp.ring`). The default is ``"p2p"`` when the module ``packattn.cp.ring`` exists, else
-``"allgather"`` (`default_outer`); ``plan.outer.strategy`` says which one a plan uses. With
+`packattn.cp.ring`, the default: `DEFAULT_OUTER`); ``plan.outer.strategy`` says which one a plan uses. With
 ``"p2p"`` a call with a window or ``chunk_size`` runs its outer exchange with the all-gather
 executor over the same outer plan (`outer_executor`): the ring runs those masks too, but as several
 parts per step merged through the backend's lse (float32 in most backends), while the all-gather
@@ -40,27 +39,21 @@ runs each local problem once, exactly.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import torch
 import torch.distributed as dist
 
+from packattn.cp import allgather, ring
 from packattn.cp.alltoall import Exchange, HeadSplit, check_heads, exchange_heads_for_rows, exchange_rows_for_heads
-from packattn.cp.plan import CPPlan, _piece_of_position, _pieces, piece_bounds
-from packattn.cp.plan import plan as make_plan
+from packattn.cp.executor import Call, Executor
+from packattn.cp.plan import CPPlan, _piece_of_position, _pieces, build_varlen_plan, piece_bounds
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
 MESH_DIM_NAMES = ("cp_outer", "cp_inner")
-OUTER_EXECUTORS = {"allgather": "packattn.cp.allgather", "p2p": "packattn.cp.ring"}
+OUTER_EXECUTORS: dict[str, Executor] = {"allgather": allgather.run, "p2p": ring.run}
 OUTER_ALIASES = {"ring": "p2p"}
+DEFAULT_OUTER = "p2p"  # the outer executor of ``plan(..., outer=None)``
 _FLAT_GROUPS: dict = {}  # DeviceMesh -> process group of exactly its ranks (meshes smaller than the world)
-
-
-def default_outer() -> str:
-    """The outer executor used when ``plan(..., outer=None)``: "p2p" once `packattn.cp.ring` exists."""
-    return "p2p" if importlib.util.find_spec("packattn.cp.ring") is not None else "allgather"
 
 
 # ------------------------------------------------------------------ plan
@@ -102,11 +95,9 @@ def _mesh_group(mesh, outer_dim: int, inner_dim: int):
 
 def build_plan(descriptor: Varlen, mesh=None, *, balance: str, world=None, rank=None, outer=None) -> CPPlan:
     """The `CPPlan` of strategy "a2a+p2p" (called by `packattn.cp.plan`, which checked the rest)."""
-    outer = default_outer() if outer is None else OUTER_ALIASES.get(outer, outer)
+    outer = DEFAULT_OUTER if outer is None else OUTER_ALIASES.get(outer, outer)
     if outer not in OUTER_EXECUTORS:
         raise ValueError(f"outer must be one of {tuple(OUTER_EXECUTORS)}, got {outer!r}")
-    if importlib.util.find_spec(OUTER_EXECUTORS[outer]) is None:
-        raise ValueError(f"outer={outer!r} needs the module {OUTER_EXECUTORS[outer]}, which is not installed")
     if mesh is not None:
         if world is not None or rank is not None:
             raise ValueError("strategy 'a2a+p2p' takes a DeviceMesh or world=(outer, inner) with rank, not both")
@@ -125,7 +116,7 @@ def build_plan(descriptor: Varlen, mesh=None, *, balance: str, world=None, rank=
         o, i = divmod(rank, sizes[1])
         outer_group = inner_group = group = None
         table = torch.arange(sizes[0] * sizes[1]).view(sizes)
-    outer_plan = make_plan(descriptor, outer_group, strategy=outer, balance=balance, world=sizes[0], rank=o)
+    outer_plan = build_varlen_plan(descriptor, outer_group, sizes[0], o, outer, balance)
 
     # the inner group at outer coordinate o holds R_o (outer_plan's rows of outer rank o), cut contiguously
     outer_owner = outer_plan.owner
@@ -166,31 +157,13 @@ def outer_executor(plan: CPPlan, mask: Mask) -> str:
     return name
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: CPPlan,
-    *,
-    causal: bool | str = False,
-    window: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    deterministic: bool = False,
-):
-    """The a2a+p2p executor of `packattn.cp.attention` (arguments checked there)."""
-    mask = Mask.make(causal, window, chunk_size)  # bad options fail here, before any communication
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, call: Call):
+    """The a2a+p2p executor (`packattn.cp.executor`)."""
     check_heads(q, k, v, plan.inner_world, plan.strategy)
     device = q.device
     ex = plan.cached(("a2a+p2p inner", str(device)), lambda: _inner_exchange(plan, device))
     split = plan.cached(("a2a heads", q.shape[1], k.shape[1], str(device)),
                         lambda: HeadSplit.build(q.shape[1], k.shape[1], plan.inner_world, device))
     q_o, k_o, v_o = exchange_rows_for_heads(q, k, v, ex, split)
-    executor = importlib.import_module(OUTER_EXECUTORS[outer_executor(plan, mask)])
-    res = executor.attention(q_o, k_o, v_o, plan.outer, causal=causal, window=window, chunk_size=chunk_size,
-                             scale=scale, backend=backend, return_lse=return_lse, deterministic=deterministic)
-    out, lse = res if return_lse else (res, None)
-    out, lse = exchange_heads_for_rows(out, lse, ex, split)
-    return (out, lse) if return_lse else out
+    out, lse = OUTER_EXECUTORS[outer_executor(plan, call.mask)](q_o, k_o, v_o, plan.outer, call)
+    return exchange_heads_for_rows(out, lse, ex, split)

@@ -16,6 +16,10 @@ ranks too, in contiguous runs, so `CPPlan.unshard` gives back every row; their o
 
 A rank's local rows are its global rows in ascending order (for zigzag: piece ``r`` of each
 document, then piece ``2 * world - 1 - r``, document after document).
+
+This module holds the plan's data and the layout helpers the executors share; it imports no
+executor. ``packattn.cp.plan()`` (in `packattn.cp.api`) checks the arguments and picks the builder:
+`build_varlen_plan` here, `packattn.cp.tree.build_tree_plan`, `packattn.cp.hybrid.build_plan`.
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from packattn.cp.comm import gather_rows
 from packattn.varlen import Varlen
 
 STRATEGIES = ("allgather", "p2p", "a2a", "a2a+p2p")
 ALIASES = {"ring": "p2p", "alltoall": "a2a", "ulysses": "a2a", "hybrid": "a2a+p2p"}
 BALANCES = ("zigzag", "contiguous", "documents")
+
+
+def segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows laid out as consecutive segments of ``lengths``: each row's segment and offset in it."""
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return seg, torch.arange(seg.numel()) - starts[seg]
 
 
 def piece_bounds(lengths: torch.Tensor, num_pieces: int, piece) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +133,6 @@ class CPPlan:
         Autograd-aware: the backward sums the global gradients of all ranks and hands each rank
         its rows (reduce-scatter), as ``torch.distributed.nn.all_gather`` does.
         """
-        from packattn.cp.comm import gather_rows  # local import: comm imports nothing from here
-
         if x_local.shape[0] != self.num_local:
             raise ValueError(f"unshard expects {self.num_local} local rows, got shape {tuple(x_local.shape)}")
         flat = gather_rows(x_local, self.max_local, self.world, self.group)
@@ -133,60 +143,11 @@ class CPPlan:
                 f"local_rows={self.num_local}, pieces={self.pieces.shape[0]}, total={self.total})")
 
 
-def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance: str = "documents",
-         world: int | tuple[int, int] | None = None, rank: int | None = None,
-         outer: str | None = None) -> CPPlan:
-    """Build the `CPPlan` of a global self-attention batch for this rank of ``group``.
-
-    ``descriptor``: a `Varlen`, or a `packattn.Tree` (small roots' subtrees whole on one rank; with
-    ``strategy="allgather"`` a root larger than half a rank's share is cut across ranks and the
-    ancestors' K/V gathered, other strategies keep it whole; see `packattn.cp.tree`).
-
-    ``group``: a process group, a 1-D ``DeviceMesh`` (its group), or for ``strategy="a2a+p2p"`` a
-    2-D ``DeviceMesh`` (outer dimension: all-gather / P2P of K/V; inner: all-to-all over heads;
-    see `packattn.cp.hybrid`). ``outer`` names the a2a+p2p outer executor ("allgather" or "p2p";
-    None: "p2p" when ``packattn.cp.ring`` exists, else "allgather").
-    ``world``/``rank`` override the group's (planning without an initialised process group, e.g.
-    to inspect the sharding; for a2a+p2p ``world=(outer, inner)`` and ``rank = outer_rank * inner +
-    inner_rank``); the executors still need the group.
-    """
-    strategy = ALIASES.get(strategy, strategy)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    if type(descriptor).__name__ == "Tree":
-        from packattn.cp.tree import build_tree_plan  # local import: tree imports this module
-
-        if type(group).__name__ == "DeviceMesh" and group.ndim != 1:
-            raise ValueError("a Tree plan takes a process group or a 1-D DeviceMesh (only the K/V of ancestors "
-                             "of cut roots are all-gathered, over one group)")
-        world, rank, group = _world_and_rank(group, world, rank)
-        return build_tree_plan(descriptor, group, world, rank, strategy, balance)
-    if not isinstance(descriptor, Varlen):
-        raise TypeError(f"plan needs a packattn.Varlen or a packattn.Tree, got {type(descriptor).__name__}")
-    if not descriptor.is_self:
-        raise ValueError("a CP plan needs a self-attention descriptor (lengths_kv=None); got separate q and kv")
-    if descriptor.lengths_q is None or descriptor.host_starts_q is None:
-        raise ValueError("a CP plan needs a Varlen with host lengths (build it with from_lengths / from_cu_seqlens)")
-    mesh = group if type(group).__name__ == "DeviceMesh" else None
-    if mesh is not None and mesh.ndim == 1:
-        group = mesh.get_group()
-    elif mesh is not None and strategy != "a2a+p2p":
-        raise ValueError(f"a {mesh.ndim}-D DeviceMesh needs strategy='a2a+p2p'; for strategy={strategy!r} "
-                         "pass one dimension's group (mesh.get_group(dim)) or a 1-D mesh")
-    if strategy == "a2a+p2p":
-        from packattn.cp.hybrid import build_plan  # local import: hybrid imports this module
-
-        return build_plan(descriptor, mesh, balance=balance, world=world, rank=rank, outer=outer)
-    if outer is not None:
-        raise ValueError(f"outer= names the outer executor of strategy 'a2a+p2p'; got it with strategy={strategy!r}")
-    world, rank, group = _world_and_rank(group, world, rank)
-
+def build_varlen_plan(descriptor: Varlen, group, world: int, rank: int, strategy: str, balance: str) -> CPPlan:
+    """The `CPPlan` of a self-attention `Varlen` with host lengths for ``rank`` of ``world`` (``packattn.cp.plan``
+    checked the arguments; strategy "a2a+p2p" builds its outer plan with this too)."""
     lengths = torch.tensor(descriptor.lengths_q, dtype=torch.int64)
     starts = torch.tensor(descriptor.host_starts_q, dtype=torch.int64)
-
-    # owner of every global row
     seq, pos = (t.cpu() for t in descriptor.row_map_q())
     owner = _row_owner(seq, pos, lengths, world, balance)
     flat_pos, max_local, local_rows = rows_layout(owner, world, rank)
@@ -196,7 +157,7 @@ def plan(descriptor: Varlen, group=None, *, strategy: str = "allgather", balance
                   local_rows, position_ids, pieces)
 
 
-def _world_and_rank(group, world, rank):
+def world_and_rank(group, world, rank):
     """``(world, rank, group)``: the 1-D group's (a 1-D DeviceMesh gives its group) unless overridden."""
     if type(group).__name__ == "DeviceMesh" and group.ndim == 1:
         group = group.get_group()

@@ -70,12 +70,13 @@ rows follows one step behind them (sent as soon as a step's contribution is adde
 only when the next step adds its own), and after the last step it arrives back at its owner,
 who adds it to its own step-0 gradient. Per part, two ways to get its dq/dk/dv:
 
-* any backend: recompute ``(out_s, lse_s)`` with autograd and take gradients with
+* when the backend the part resolves to (`packattn.dispatch`) has a backward with given
+  statistics (`Backend.backward_from_stats`; the triton backend does): that backward with the
+  GLOBAL out and lse, whose softmax and ``delta = rowsum(dout * out) - dlse`` are then the global
+  ones: no recompute;
+* any other backend: recompute ``(out_s, lse_s)`` with autograd and take gradients with
   ``grad_out = w_s * dout`` and ``grad_lse = w_s * (rowsum(dout * (out_s - out)) + dlse)``,
-  ``w_s = exp(lse_s - lse)`` (exactly the chain rule through the merge);
-* when the part resolves to backend ``"triton"`` (`packattn.dispatch`): the Triton backward
-  ``packattn::varlen_bwd`` with the GLOBAL out and lse, whose softmax and
-  ``delta = rowsum(dout * out) - dlse`` are then the global ones: no recompute.
+  ``w_s = exp(lse_s - lse)`` (exactly the chain rule through the merge).
 
 Reduction order is fixed (dq: steps, then parts, in order; dK/dV of a row: its owner's step 0,
 then the ranks after it around the ring; a row used by several sequences of a part is merged or
@@ -98,9 +99,10 @@ import torch.distributed as dist
 
 import packattn
 from packattn import dispatch
+from packattn.backends.base import Backend, Problem
+from packattn.cp.executor import Call
 from packattn.cp.plan import CPPlan
 from packattn.cp.ring_layout import Part, RingLayout, Rows, _take, _with_zero_row, build_layout
-from packattn.mask import Mask
 
 KV_TAG, DKV_TAG = 1, 2  # P2P tags of the K/V and dK/dV messages (gloo matches on them; NCCL ignores them)
 
@@ -178,33 +180,23 @@ def _merge_into(acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse
     lse_acc.copy_(new_lse)
 
 
-def _use_triton(part: Part, q, k, v, backend: str, deterministic: bool) -> bool:
-    """Would `packattn.attention` run this part (with gradients) on our Triton varlen kernels?"""
-    seqs = part.seqs
-    params = dispatch.Params(
-        device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[2],
-        head_dim_v=v.shape[2], kind="varlen", pad_between_seqs=False, is_self=seqs.is_self, host_lengths=True,
-        max_seqlen_q=dispatch.Params.bucket(seqs.max_seqlen_q),
-        max_seqlen_kv=dispatch.Params.bucket(seqs.max_seqlen_kv),
-        mask=part.mask, return_lse=True, deterministic=deterministic, requires_grad=True)
-    return dispatch.select(params, backend).name == "triton"
+def _part_backend(part: Part, q, k, v, opts: dict) -> Backend:
+    """The backend `packattn.attention` runs this part on with gradients (dispatch keys it as it keys that call)."""
+    params = dispatch.call_params(part.seqs, device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[1],
+                                  heads_kv=k.shape[1], head_dim=q.shape[2], head_dim_v=v.shape[2], mask=part.mask,
+                                  return_lse=True, deterministic=opts["deterministic"], requires_grad=True)
+    return dispatch.select(params, opts["backend"])
 
 
-def _step_grads_triton(part: Part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, scale: float):
-    """dq, dk, dv of one part from ``packattn::varlen_bwd`` with the global out and lse."""
-    from packattn.backends import triton_varlen
-
-    seqs, mask = part.seqs, part.mask
-    sign = 1.0
-    if scale < 0:  # the kernels need scale >= 0 (as in TritonVarlenBackend.run)
-        q_s, scale, sign = -q_s, -scale, -1.0
-    dq_tiles = triton_varlen.tile_table(seqs, mask, False, *triton_varlen.dq_choice(q_s, k_s, v_s)[:2])
-    dkdv_tiles = triton_varlen.tile_table(seqs, mask, True, *triton_varlen.dkdv_blocks(q_s, k_s, v_s))
-    dq, dk, dv = triton_varlen.varlen_bwd_call(
-        dout_s, dlse_s, q_s, k_s, v_s, out_g, lse_g.float().contiguous(), seqs.cu_seqlens_q, seqs.cu_seqlens_kv,
-        seqs.cu_seqlens_q, seqs.cu_seqlens_kv, dq_tiles, dkdv_tiles, scale, mask.left, mask.right,
-        mask.chunk_size or 0, mask.align == "top_left", False, False)
-    return (dq * sign if sign < 0 else dq), dk, dv
+def _step_grads(part: Part, backend: Backend, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, scale: float, opts: dict):
+    """dq, dk, dv of one part: the backend's backward with the merged (global) out and lse when it has one
+    (`Backend.backward_from_stats`: its softmax and delta are then the global ones, no recompute), else
+    `_step_grads_recompute`."""
+    problem = Problem(q_s, k_s, v_s, part.seqs, part.mask, scale, True, opts["deterministic"])
+    grads = backend.backward_from_stats(problem, out_g, lse_g.float().contiguous(), dout_s, dlse_s)
+    if grads is None:
+        grads = _step_grads_recompute(part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, opts)
+    return grads
 
 
 def _step_grads_recompute(part: Part, q_s, k_s, v_s, dout_s, dlse_s, out_g, lse_g, opts: dict):
@@ -288,11 +280,8 @@ class _Ring(torch.autograd.Function):
             for part in step.parts:
                 k_s, v_s = _kv_of_part(step.src, part, kv_local, cur, hk, d, dv)
                 q_s, dout_s, dlse_s, out_s, lse_s = (part.q.gather(t, dim) for t, dim in per_row)
-                args = (part, q_s, k_s, v_s, dout_s, dlse_s, out_s, lse_s)
-                if _use_triton(part, q, k, v, opts["backend"], opts["deterministic"]):
-                    grads = _step_grads_triton(*args, scale)
-                else:
-                    grads = _step_grads_recompute(*args, opts)
+                backend = _part_backend(part, q, k, v, opts)
+                grads = _step_grads(part, backend, q_s, k_s, v_s, dout_s, dlse_s, out_s, lse_s, scale, opts)
                 part.q.add_to(dq, grads[0].to(acc_dtype))
                 part.kv.add_to(dkv if s == 0 else acc_in, _flat_kv_grads(grads, acc_dtype))
             if s > 0:
@@ -313,31 +302,18 @@ def _flat_kv_grads(grads, dtype) -> torch.Tensor:
     return torch.cat([dk.reshape(dk.shape[0], -1), dv.reshape(dv.shape[0], -1)], dim=1).to(dtype)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: CPPlan,
-    *,
-    causal: bool | str = False,
-    window: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    deterministic: bool = False,
-):
-    """The P2P ring executor of `packattn.cp.attention` (arguments checked there).
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, call: Call):
+    """The P2P ring executor (`packattn.cp.executor`).
 
     Every mask: causal (either alignment: the same in global self-attention), windows, chunks, or
     none. Deterministic for a fixed world size in any case (fixed reduction order);
     ``deterministic=True`` is passed on to every part's backend.
     """
-    mask = dataclasses.replace(Mask.make(causal, window, chunk_size), align="bottom_right")  # self-attention
+    mask = dataclasses.replace(call.mask, align="bottom_right")  # self-attention
     layout = plan.cached(("p2p", mask, str(q.device)), lambda: build_layout(plan, mask, q.device))
-    opts = {"scale": scale, "backend": backend, "deterministic": deterministic}
+    opts = call.options()
     if layout.local_only:  # nothing travels and nothing to merge (e.g. whole documents): one local call
-        res = _attend(q, k, v, layout.steps[0].parts[0], opts, return_lse)
-        return (res[0], res[1].float()) if return_lse else res  # lse float32 on every rank, as the ring's
+        res = _attend(q, k, v, layout.steps[0].parts[0], opts, call.return_lse)
+        return (res[0], res[1].float()) if call.return_lse else (res, None)  # lse float32 on every rank
     out, lse = _Ring.apply(q, k, v, plan, layout, opts)
-    return (out, lse) if return_lse else out
+    return out, (lse if call.return_lse else None)

@@ -12,9 +12,8 @@ from typing import NamedTuple
 import torch
 
 from packattn import mask as masks
-from packattn.cp.allgather import _segments as _segment_offsets
-from packattn.cp.plan import CPPlan
-from packattn.cp.plan import plan as make_plan
+from packattn.cp.plan import CPPlan, build_varlen_plan
+from packattn.cp.plan import segments as _segment_offsets
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
@@ -129,8 +128,8 @@ def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def _pieces_of(plan: CPPlan, rank: int) -> torch.Tensor:
     if rank == plan.rank:
         return plan.pieces
-    return plan.cached(("p2p pieces", rank), lambda: make_plan(
-        plan.descriptor, world=plan.world, rank=rank, strategy=plan.strategy, balance=plan.balance).pieces)
+    return plan.cached(("p2p pieces", rank), lambda: build_varlen_plan(
+        plan.descriptor, None, plan.world, rank, plan.strategy, plan.balance).pieces)
 
 
 def _duplicate_free_passes(index: torch.Tensor) -> tuple[torch.Tensor, ...]:

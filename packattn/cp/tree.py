@@ -16,7 +16,7 @@ second part's rows see the whole first part, which is the tree rule), so every n
 tree (`split_nodes`) has one owner. Other strategies keep every root whole (nothing communicated;
 a root larger than a share overloads its rank).
 
-Executor (`attention`, every strategy). Outside itself, a run of consecutive pre-order nodes sees
+Executor (`run`, every strategy; the mask checks are `packattn.cp.attention`'s). Outside itself, a run of consecutive pre-order nodes sees
 only the proper ancestors of its first node, so a rank needs at most two paths of rows from the
 others. Every rank all-gathers its rows that some other rank needs (`packattn.cp.comm.gather_rows`,
 one collective for K and V; none at all when no root is cut) and runs `packattn.attention` on its
@@ -42,11 +42,12 @@ import dataclasses
 
 import torch
 
-from packattn.api import check_tree_mask
+import packattn
 from packattn.cp.allgather import _flat_kv, _key_rows, _split_kv
 from packattn.cp.comm import gather_rows
+from packattn.cp.executor import Call
 from packattn.cp.plan import CPPlan, document_ranks, gathered_layout, rows_layout, zigzag_rank
-from packattn.tree.descriptor import _last_descendant
+from packattn.tree.descriptor import Tree, _last_descendant
 
 CUTTING_STRATEGIES = ("allgather",)  # the strategies whose plans cut a large root across ranks
 
@@ -154,26 +155,23 @@ def build_layout(plan: CPPlan, device) -> TreeLayout:
                       max_send, own.nonzero().flatten().to(device), bool(own.all()))
 
 
-def attention(q, k, v, plan: CPPlan, *, causal=None, window=None, chunk_size=None, return_lse=False, **options):
-    """`packattn.attention` of this rank's rows over its local tree (see the module docstring);
-    ``options`` go to `packattn.attention`. A rank that holds no row gets empty results that still
-    take part in autograd (and in the collectives, when a root is cut)."""
-    import packattn
-
-    check_tree_mask(causal, window, chunk_size)  # before any collective
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, call: Call):
+    """The executor of Tree plans, every strategy (`packattn.cp.executor`; module docstring): `packattn.attention`
+    of this rank's rows over its local tree. A rank that holds no row gets empty results that still take part in
+    autograd (and in the collectives, when a root is cut)."""
     layout = plan.cached(("tree", str(q.device)), lambda: build_layout(plan, q.device))
     k_buf, v_buf = _local_kv(k, v, plan, layout)
     q_buf = q if layout.identity else torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, layout.q_index)
     if layout.tree is None:
         tie = q_buf.flatten()[:0].sum() + k_buf.flatten()[:0].sum() + v_buf.flatten()[:0].sum()
         out = q.new_zeros(0, q.shape[1], v.shape[-1]) + tie
-        return (out, torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device)) if return_lse else out
-    res = packattn.attention(q_buf, k_buf, v_buf, layout.tree, causal=causal, return_lse=return_lse, **options)
+        return out, (torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device) if call.return_lse else None)
+    res = packattn.attention(q_buf, k_buf, v_buf, layout.tree, causal=call.causal, return_lse=call.return_lse,
+                             **call.options())
+    out, lse = res if call.return_lse else (res, None)
     if layout.identity:
-        return res
-    if not return_lse:
-        return res.index_select(0, layout.out_index)
-    return res[0].index_select(0, layout.out_index), res[1].index_select(1, layout.out_index)
+        return out, lse
+    return out.index_select(0, layout.out_index), (None if lse is None else lse.index_select(1, layout.out_index))
 
 
 def _local_kv(k: torch.Tensor, v: torch.Tensor, plan: CPPlan, layout: TreeLayout):
@@ -193,8 +191,6 @@ def _sub_forest(cu: torch.Tensor, parent: torch.Tensor, nodes: torch.Tensor, dev
     """The `Tree` on ``device`` of ``nodes`` (ascending, holding the parent of each) of the pre-order
     forest (``cu``, ``parent``, host int64), in their order; its sequences are the forest's
     ``sequence_nodes`` among ``nodes`` (default: the leaves), ``tokens`` those of its rows."""
-    from packattn.tree import Tree
-
     new_index = torch.full((parent.numel(),), -1, dtype=torch.int64)
     new_index[nodes] = torch.arange(nodes.numel())
     up = parent[nodes]
