@@ -1,13 +1,11 @@
-"""Reading packattn's environment switches on the hot path.
+"""packattn's environment switches: the only module of packattn that reads ``os.environ``.
 
-The launchers read their A/B switches (``PACKATTN_TRITON_BWD``, ``PACKATTN_GLUON_*_CONFIG``,
-``TRITON_INTERPRET``, ...) on every call, so that a switch set at run time takes effect at the next
-call. ``os.environ.get`` encodes the key and decodes the value each time (~0.8-1.6 us); a W8
-forward + backward read ~30 of them, a measurable share of its host time (benchmarks/NOTES.md,
-v20). `get` looks the encoded key up in the mapping ``os.environ`` keeps (``os.environ._data``,
-updated by every ``os.environ[...] = ...``, ``putenv`` through ``os.environ``, and pytest's
-``monkeypatch.setenv``), ~20 ns; where that mapping is not the CPython one it falls back to
-``os.environ.get``.
+`KNOBS` lists the user-facing switches; ``TRITON_INTERPRET`` (Triton's own switch) is read here too. The
+hot path reads a switch on every call, so that one set at run time takes effect at the next call.
+``os.environ.get`` encodes the key and decodes the value each time (~0.8-1.6 us); `get` looks the encoded
+key up in the mapping ``os.environ`` keeps (``os.environ._data``, updated by every ``os.environ[...] = ...``,
+``putenv`` through ``os.environ``, and pytest's ``monkeypatch.setenv``), ~20 ns (benchmarks/NOTES.md, v20);
+where that mapping is not the CPython one it falls back to ``os.environ.get``.
 """
 
 from __future__ import annotations
@@ -19,15 +17,18 @@ _DATA = getattr(os.environ, "_data", None)
 _ENCODE_KEY = getattr(os.environ, "encodekey", None)
 _DECODE_VALUE = getattr(os.environ, "decodevalue", None)
 _FAST = isinstance(_DATA, dict) and callable(_ENCODE_KEY) and callable(_DECODE_VALUE)
+# The user-facing switches, each with what it does (the README's knob table lists exactly these).
+KNOBS = {
+    "PACKATTN_BACKEND": "the backend packattn.attention uses when the call names none (default: auto)",
+    "PACKATTN_DISABLE": "comma-separated backends that auto dispatch passes over",
+    "PACKATTN_LOG": "comma-separated log topics to print (dispatch)",
+    "PACKATTN_CP_OVERLAP_GROUPS": "kv-head groups the context-parallel all-gather overlaps with attention (1: none)",
+    "PACKATTN_PORTABLE": "=1: the triton backends run only the portable Triton kernels (no Gluon, no fast launch)",
+}
 # The names packattn reads, encoded up front: the cache of encoded keys then does not change when torch.compile
 # traces the first call (dynamo guards on that dict's contents: a key added while tracing would recompile the
 # next call). A name missing here still works; it is cached on its first read outside tracing.
-NAMES = (
-    "PACKATTN_BACKEND", "PACKATTN_DISABLE", "PACKATTN_LOG", "PACKATTN_CP_OVERLAP_GROUPS", "PACKATTN_TRITON_FWD",
-    "PACKATTN_TRITON_BWD", "PACKATTN_FAST_LAUNCH", "PACKATTN_GLUON_DKDV_CONFIG", "PACKATTN_GLUON_DQ_CONFIG",
-    "PACKATTN_GLUON_FUSED_DELTA", "PACKATTN_GLUON_FWD_CONFIG", "PACKATTN_GLUON_HEAD_SECTION",
-    "PACKATTN_GLUON_MIN_SEQLEN", "PACKATTN_GLUON_TREE_FWD_CONFIG", "TRITON_INTERPRET",
-)
+NAMES = (*KNOBS, "TRITON_INTERPRET")
 _keys: dict[str, object] = {name: _ENCODE_KEY(name) for name in NAMES} if _FAST else {}  # name -> encoded key
 
 

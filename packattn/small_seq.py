@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from packattn.backends.small_seq import MAX_KEYS, dense_items, kernel_unsupported, small_seq_fwd_call
+from packattn.ops.small_seq.op import MAX_KEYS, dense_items, kernel_unsupported, small_seq_fwd_call
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "small_seq", "reference")

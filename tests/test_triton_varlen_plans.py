@@ -1,5 +1,5 @@
 """What the triton backend plans before its kernels run: the tile tables (torch only), the backward's
-passes (`triton_varlen.bwd_plan`: checked between forward and backward, launched in order with the
+passes (`op.bwd_plan`: checked between forward and backward, launched in order with the
 kernels replaced by recorders) and where the fused dQ pass leaves delta at 0. Triton's interpreter on
 CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA) or a GPU.
 """
@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import packattn
+import packattn.ops.runtime.launch
 from packattn import mask as masks
-from packattn.backends import triton_varlen
+from packattn.ops.varlen import configs, op
+from packattn.ops.varlen.configs import GluonBwdConfig
+from packattn.ops.varlen.tiles import build_tile_table
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 from triton_varlen_harness import SELF_MASKS, make_inputs, requires_triton
@@ -33,7 +36,7 @@ def test_tile_tables_cover_exactly_the_visible_pairs(by_keys):
         seqs = Varlen.from_lengths(lengths_q, lengths_kv, pad_to_multiple=8)
         for opts in mask_opts:
             mask = Mask.make(**opts)
-            table = triton_varlen.build_tile_table(seqs, mask, by_keys, block, step).tolist()
+            table = build_tile_table(seqs, mask, by_keys, block, step).tolist()
             own = seqs.lengths_kv if by_keys else seqs.lengths_q
             assert len(table) == -(-(seqs.total_kv if by_keys else seqs.total_q) // block) + seqs.num_seqs
             seen = set()
@@ -58,7 +61,7 @@ def test_tile_tables_cover_exactly_the_visible_pairs(by_keys):
 
 def test_tile_tables_put_the_longest_work_first():
     seqs = Varlen.from_lengths([5, 300, 40])
-    table = triton_varlen.build_tile_table(seqs, Mask.make(causal=True), False, 32, 32)
+    table = build_tile_table(seqs, Mask.make(causal=True), False, 32, 32)
     work = [(hi - lo) if seq >= 0 else -1 for seq, _, lo, _, _, hi in table.tolist()]
     assert work == sorted(work, reverse=True)
 
@@ -67,14 +70,14 @@ def test_tile_tables_put_the_longest_work_first():
 @pytest.mark.parametrize("pass_name", ["dkdv_choice", "dq_choice"])
 def test_backward_refuses_a_pass_changed_after_the_forward(monkeypatch, pass_name):
     """The forward builds dK/dV key tiles and dQ query tiles for one pass each (`dkdv_choice`,
-    `dq_choice`); a backward that would run another (the environment switches changed in between)
+    `dq_choice`); a backward that would run another (an override changed in between)
     stops with a clear error."""
     seqs, q, k, v, dout = make_inputs([37, 5], heads=(2, 1))
     out = packattn.attention(q, k, v, seqs, backend="triton", causal=True)
-    plan = triton_varlen.bwd_plan(q, k, v)
+    plan = op.bwd_plan(q, k, v)
     rows, cols, gluon = getattr(plan, pass_name)
     changed = dataclasses.replace(plan, **{pass_name: (2 * rows, cols, not gluon)})
-    monkeypatch.setattr(triton_varlen, "bwd_plan", lambda *a: changed)
+    monkeypatch.setattr(op, "bwd_plan", lambda *a: changed)
     name = "dK/dV" if pass_name == "dkdv_choice" else "dQ"
     with pytest.raises(RuntimeError, match=f"the {name} pass changed between forward and backward"):
         torch.autograd.grad(out, (q, k, v), dout)
@@ -94,17 +97,22 @@ class _Recorder:
         return lambda *args, **kwargs: self.log.append((self.name, args, kwargs))
 
 
+def _cfg(text):
+    """``"block_m,block_n,stages,num_warps[,ws]"`` as a GluonBwdConfig (None for None: the Triton pass)."""
+    if text is None:
+        return None
+    parts = text.split(",")
+    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=parts[4:] == ["ws"])
+
+
 def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=False):
     """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
     every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
-    from packattn.ops.varlen import launch_sm90_bwd as tb
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
     from packattn.ops.varlen import bwd_triton as varlen_bwd
     from packattn.ops.varlen import bwd_sm90 as varlen_bwd_gluon
     from packattn.ops.varlen import bwd_dq_sm90 as varlen_bwd_gluon_dq_ws
     from packattn.ops.varlen import bwd_dkdv_sm90 as varlen_bwd_gluon_ws
 
-    monkeypatch.setattr(triton_fwd_gluon, "_num_sms", lambda index: 132)  # (persistent grids: a fake device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     log = []
     for module, name, label in ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel", "dq"),
@@ -113,9 +121,8 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=Fal
                                 (varlen_bwd, "bwd_dq_kernel", "dq"), (varlen_bwd, "bwd_dkdv_kernel", "dkdv"),
                                 (varlen_bwd, "bwd_preprocess_kernel", "preprocess")):
         monkeypatch.setattr(module, name, _Recorder(log, label))
-    dkdv = tb.parse_config(dkdv_text) if dkdv_text else None
-    dq = tb.parse_config(dq_text) if dq_text else None
-    plan = triton_varlen.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None), short_seqs)
+    dkdv, dq = _cfg(dkdv_text), _cfg(dq_text)
+    plan = op.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None), short_seqs)
     rows, heads, d = 256, 4, 128
     gen = torch.Generator().manual_seed(0)
     q, k, v, out, dout = (torch.randn(rows, heads, d, generator=gen).to(torch.bfloat16) for _ in range(5))
@@ -123,19 +130,18 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=Fal
     dlse = torch.randn(heads, rows, generator=gen) if with_dlse else None
     cu = torch.tensor([0, rows], dtype=torch.int32)
     tiles = torch.zeros(rows // 64 + 1, 6, dtype=torch.int32)
-    triton_varlen._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, cu, cu, cu[:1] * 0, cu[:1] * 0, tiles,
-                                      tiles, 0.1, -1, 0, 0, False, False, False)
+    options = [*packattn.ops.runtime.launch.mask_options(Mask.make(True)), False, False, short_seqs]
+    op._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, [cu, cu, cu[:1] * 0, cu[:1] * 0, tiles, tiles],
+                           None, None, 0.1, options)
     return plan, out, lse, log
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fused):
     """A plan for a batch of short sequences hands both warp-specialised passes the short work order
-    (`triton_fwd_gluon.SHORT_HEAD_SECTION` kv-head groups per section), others the default one."""
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
-
+    (`configs.SHORT_HEAD_SECTION` kv-head groups per section), others the default one."""
     dq = "64,64,2,4,ws" if fused else "128,64,4,8,ws"
-    for short, groups in ((False, triton_fwd_gluon.HEAD_SECTION), (True, triton_fwd_gluon.SHORT_HEAD_SECTION)):
+    for short, groups in ((False, configs.HEAD_SECTION), (True, configs.SHORT_HEAD_SECTION)):
         _, _, _, log = _planned_launches(monkeypatch, "64,64,2,4,ws", dq, False, short_seqs=short)
         sections = {name: args[-2] for name, args, _ in log if name in ("dq", "dkdv")}
         assert sections == {"dq": groups, "dkdv": groups}  # MHA: kv-head groups == heads
@@ -144,11 +150,9 @@ def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fuse
 def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     """One-consumer WS dQ (the d = 128 short-sequence config), Gluon dK/dV, no dlse: no preprocess; the dQ
     pass (DELTA_FROM_O, an O descriptor) writes a zero-initialised delta that the dK/dV pass then reads."""
-    from packattn.ops.varlen import launch_sm90_bwd as tb
-
-    short = tb.DQ_SHORT_CONFIGS[128].label()
-    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", short, False)
-    assert triton_varlen.fuses_delta(plan, None)
+    assert configs.DQ_SHORT_CONFIGS[128] == _cfg("64,64,2,4,ws")
+    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "64,64,2,4,ws", False)
+    assert op.fuses_delta(plan, None)
     assert [name for name, _, _ in log] == ["dq", "dkdv"]
     (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
     assert dq_kwargs["DELTA_FROM_O"] is True and dq_kwargs["BLOCK_M"] == 64
@@ -162,36 +166,28 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
 def test_two_consumer_dq_fuses_delta(monkeypatch):
     """The two-consumer WS dQ (the long-batch default at d = 128) computes delta too: the backward runs as the
     one-consumer fused one: dQ first with DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
-    from packattn.ops.varlen import launch_sm90_bwd as tb
-
-    monkeypatch.delenv(tb.ENV_FUSED_DELTA, raising=False)
     plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", False)
-    assert triton_varlen.fuses_delta(plan, None)
+    assert op.fuses_delta(plan, None)
     assert [name for name, _, _ in log] == ["dq", "dkdv"]
     (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
     assert dq_kwargs["DELTA_FROM_O"] is True and dq_kwargs["BLOCK_M"] == 128 and dq_kwargs["PERSISTENT"] is False
     assert dq_args[4].base is out and list(dq_args[4].block_shape) == [128, 128]
     assert dkdv_args[5] is dq_args[6] and torch.equal(dq_args[6], torch.zeros_like(lse))
-    # a persistent dQ grid cannot (one tile per program), nor can a dlse term be folded in
-    plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws,persistent", False)
-    assert not triton_varlen.fuses_delta(plan, None)
+    # a dlse term cannot be folded in
     plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", True)
-    assert not triton_varlen.fuses_delta(plan, lse)
+    assert not op.fuses_delta(plan, lse)
 
 
 @pytest.mark.parametrize("dkdv,dq,with_dlse", [
     ("64,64,2,4,ws", "64,64,2,4,ws", True),      # dlse: its term stays in the preprocess
-    ("64,64,2,4,ws", "128,64,4,8,ws", False),    # two-consumer dQ with $PACKATTN_GLUON_FUSED_DELTA=0
-    ("64,128,2,8,ws", "128,64,4,8,ws,persistent", False),
+    ("64,128,2,8,ws", "128,64,4,8,ws", True),
+    ("64,64,2,4,ws", "128,64,4,8", False),       # the non-specialised dQ (d = 64) cannot compute delta
     (None, "64,64,2,4,ws", False),               # Triton dK/dV pass
     ("64,64,2,4,ws", None, False),               # Triton dQ pass
 ])
 def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
-    from packattn.ops.varlen import launch_sm90_bwd as tb
-
-    monkeypatch.setenv(tb.ENV_FUSED_DELTA, "0")  # (the one-consumer dQ computes delta all the same)
     plan, _, lse, log = _planned_launches(monkeypatch, dkdv, dq, with_dlse)
-    assert not triton_varlen.fuses_delta(plan, lse if with_dlse else None)
+    assert not op.fuses_delta(plan, lse if with_dlse else None)
     assert [name for name, _, _ in log] == ["preprocess", "dkdv", "dq"]
     (_, pre_args, pre_kwargs), (_, dkdv_args, _), (_, dq_args, dq_kwargs) = log
     assert pre_kwargs["HAS_DLSE"] is with_dlse
@@ -200,8 +196,8 @@ def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
     assert dq_kwargs.get("DELTA_FROM_O", False) is False
     if "DELTA_FROM_O" in dq_kwargs:  # the WS dQ kernel (two consumers or one) without it: no O descriptor
         assert dq_args[4] is None
-    else:  # the Triton dQ pass
-        assert dq is None
+    else:  # the Triton dQ pass or the non-specialised Gluon one
+        assert dq is None or not _cfg(dq).warp_specialize
 
 
 @pytest.mark.parametrize("opts", SELF_MASKS, ids=lambda o: Mask.make(**o).describe())
@@ -212,7 +208,7 @@ def test_fused_delta_rows_left_zero_see_no_key(opts, lengths):
     left 0 sees no key (P = 0 there in the dK/dV pass), so the 0 is never used."""
     mask = Mask.make(**opts)
     seqs = Varlen.from_lengths(*lengths)
-    table = triton_varlen.build_tile_table(seqs, mask, False, 64, 64)
+    table = build_tile_table(seqs, mask, False, 64, 64)
     written = torch.zeros(seqs.total_q, dtype=torch.bool)
     for seq, start, lo, _, _, hi in table.tolist():
         if seq >= 0 and hi > lo:  # num_blocks > 0: the tile computes and stores delta for its rows < len_q

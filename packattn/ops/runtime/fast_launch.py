@@ -1,8 +1,7 @@
 """Launching our Triton / Gluon kernels with less host time than ``kernel[grid](*args, **kwargs)``.
 
 ``JITFunction.run`` (Triton 3.6) costs ~50 us of host time per launch on the H200 hosts, of which the
-compiled kernel's launcher is ~19 us (benchmarks/results/2026-11-24/s8_host_autograd_threads_h200.txt);
-the rest binds the arguments, computes Triton's specialisation key (alignment and divisibility of
+compiled kernel's launcher is ~19 us; the rest binds the arguments, computes Triton's specialisation key (alignment and divisibility of
 every argument), looks the kernel up and checks globals. A forward + backward of a batch of short
 documents makes four launches, and its host time decides its wall time (benchmarks/NOTES.md, v20).
 
@@ -19,8 +18,8 @@ mean equal Triton specialisations, on the argument kinds our launchers pass):
 A miss launches through ``kernel[grid]`` (compiling if needed) and stores the compiled kernel; a hit
 calls the compiled kernel's launcher directly with the arguments in signature order. Not used under
 Triton's interpreter, while a launch hook is set (profilers: the hook needs Triton's launch metadata),
-with ``PACKATTN_FAST_LAUNCH=0``, or on a Triton release it was not checked on
-(`triton_base.FAST_LAUNCH_TRITON`; the reason is logged once); anything unusual (an argument kind not
+with ``PACKATTN_PORTABLE=1``, or on a Triton release it was not checked on
+(`support.FAST_LAUNCH_TRITON`; the reason is logged once); anything unusual (an argument kind not
 listed) goes the slow way.
 """
 
@@ -28,15 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from packattn import env
-from packattn.backends import triton_base
+from packattn.ops.runtime import support
 
 _INT32 = (-(2**31), 2**31 - 1)
 _MISSING = object()
 _caches: dict = {}  # kernel -> {key: (launcher, function, packed_metadata, tail)}
 _CACHE_SIZE = 256  # per kernel; cleared when full (a process sees a handful of variants per kernel)
-_RELEASE_OFF = triton_base.release_unsupported("fast launches", triton_base.FAST_LAUNCH_TRITON,
-                                              triton_base.triton_version(), "kernels launch through kernel[grid]")
+_RELEASE_OFF = support.release_unsupported("fast launches", support.FAST_LAUNCH_TRITON,
+                                           support.triton_version(), "kernels launch through kernel[grid]")
 
 
 class _Unkeyable(Exception):
@@ -61,11 +59,11 @@ def arg_key(x):
 
 
 def enabled() -> bool:
-    """Fast launches are possible now: CUDA Triton (not the interpreter), no launch hook, not switched off."""
-    if env.get("PACKATTN_FAST_LAUNCH") == "0" or env.get("TRITON_INTERPRET") == "1":
+    """Fast launches are possible now: CUDA Triton (not the interpreter), no launch hook, not ``PACKATTN_PORTABLE``."""
+    if support.portable() or support.interpreting():
         return False
     if _RELEASE_OFF is not None:
-        triton_base.log_once(_RELEASE_OFF)
+        support.log_once(_RELEASE_OFF)
         return False
     from triton import knobs
 

@@ -1,19 +1,24 @@
-"""Launching the Triton kernels of the varlen family (`triton_varlen`, `triton_tree`, `small_seq`):
-block sizes and launch options per kernel, GPU, dtype and head dim (`launch_config`), the constexprs and
-input strides every launcher shares, and `_launch`, which retries a launch that ran out of shared memory
-with fewer pipeline stages (the launch itself: `packattn.ops.runtime.fast_launch`).
+"""What the launchers of every kernel family share: `LaunchConfig` (a Triton kernel's blocks and launch
+options; the tables are each family's ``configs``), `_launch`, which retries a launch that ran out of
+shared memory with fewer pipeline stages (the launch itself: `packattn.ops.runtime.fast_launch`), `LOG2E`,
+the mask's kernel arguments (`mask_constexprs`, `mask_scalars`, and `mask_options` / `mask_from_options`
+across a custom op's schema), and the rule for a negative scale (`nonnegative_scale`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
-from packattn.backends.triton_base import cuda_index, interpreting
+from packattn.ops.runtime.support import interpreting
+
+LOG2E = 1.4426950408889634  # log2(e): the kernels take exp2 of scores scaled by scale * LOG2E
 
 
 # ---------------------------------------------------------------- launch configurations
@@ -25,79 +30,31 @@ class LaunchConfig:
     num_stages: int
 
 
-# (kernel, padded head dim BLOCK_D) -> config. fwd and dq run per query tile, dkdv per key tile.
-# BLOCK_D 128 (head dims 96, 128): the best of a measured sweep on H200 (W1/W8, bf16,
-# benchmarks/results/2026-11-22/tune_v1_h200.txt; ptxas spill counts did not predict those timings).
-# Others not timed, only checked to compile for sm_90a and fit in shared memory without a GPU
-# (scripts/check_triton_compile.py).
-HOPPER_CONFIGS = {
-    ("fwd", 32): LaunchConfig(128, 128, 4, 3),
-    ("fwd", 64): LaunchConfig(128, 128, 8, 3),
-    ("fwd", 128): LaunchConfig(128, 32, 4, 4),
-    ("fwd", 256): LaunchConfig(64, 32, 8, 2),
-    ("dq", 32): LaunchConfig(128, 64, 8, 2),
-    ("dq", 64): LaunchConfig(128, 64, 8, 2),
-    ("dq", 128): LaunchConfig(128, 64, 8, 3),
-    ("dq", 256): LaunchConfig(64, 16, 8, 1),
-    ("dkdv", 32): LaunchConfig(64, 128, 8, 2),
-    ("dkdv", 64): LaunchConfig(64, 128, 8, 2),
-    ("dkdv", 128): LaunchConfig(32, 64, 4, 3),
-    ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
-}
-# Forward when some sequence has >= `triton_varlen.LONG_SEQLEN` queries: for head dims 96/128, 8 warps with
-# BLOCK_N 64 measured 18% faster than (128, 32, 4, 4) on W4 (one 32k document, chunks of 8192: 474 vs 402 TF/s),
-# while (128, 32, 4, 4) stays best on W1/W8's mixes of shorter documents and W2 ties
-# (benchmarks/results/2026-11-22/tune_w4_h200.txt, tune_fwd_dkdv_v7_h200.txt).
-HOPPER_LONG_FWD_CONFIGS = {128: LaunchConfig(128, 64, 8, 3)}
-# other CUDA GPUs (Ampere/Ada: less shared memory)
-FALLBACK_CONFIGS = {
-    ("fwd", 128): LaunchConfig(64, 64, 4, 2),
-    ("fwd", 256): LaunchConfig(64, 32, 4, 1),
-    ("dq", 128): LaunchConfig(64, 32, 4, 2),
-    ("dq", 256): LaunchConfig(32, 32, 4, 1),
-    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
-    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
-}
-# float32 inputs (IEEE dots: no tensor cores, twice the bytes per tile) on any CUDA GPU
-FP32_CONFIGS = {
-    ("fwd", 128): LaunchConfig(64, 32, 4, 2),
-    ("fwd", 256): LaunchConfig(32, 32, 4, 1),
-    ("dq", 128): LaunchConfig(64, 32, 4, 2),
-    ("dq", 256): LaunchConfig(32, 32, 4, 1),
-    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
-    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
-}
-# Triton's interpreter: small blocks, deliberately different M and N so mix-ups show in tests
-INTERPRETER_CONFIGS = {"fwd": LaunchConfig(32, 16, 1, 1), "dq": LaunchConfig(32, 16, 1, 1),
-                       "dkdv": LaunchConfig(16, 32, 1, 1)}
-PREPROCESS_BLOCK_M = 64
+@contextlib.contextmanager
+def overriding(module, values: dict, check=None):
+    """Set names of a configs ``module`` (its tables and thresholds: existing upper-case names only) to
+    ``values`` while the ``with`` block runs, then restore them; ``check()`` validates the new state (the old
+    one is restored when it raises). The mechanism behind each family's ``configs.override``."""
+    unknown = [name for name in values if not name.isupper() or not hasattr(module, name)]
+    if unknown:
+        raise ValueError(f"{module.__name__} has no table or threshold {', '.join(unknown)}")
+    old = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        if check is not None:
+            check()
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
 _reduced_stages: dict = {}  # launches that ran out of shared memory -> num_stages that fit
 
 
 def block_d(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
-def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
-                  long_seqs: bool = False) -> LaunchConfig:
-    """Block sizes and launch options of ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
-    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least
-    ``triton_varlen.LONG_SEQLEN`` queries (the forward may pick other tiles then)."""
-    if interpreting() or device.type != "cuda":
-        return INTERPRETER_CONFIGS[kernel]
-    bd = block_d(head_dim)
-    if dtype == torch.float32:
-        table = FP32_CONFIGS
-    else:
-        table = HOPPER_CONFIGS if _is_hopper(cuda_index(device)) else FALLBACK_CONFIGS
-        if kernel == "fwd" and long_seqs and table is HOPPER_CONFIGS and bd in HOPPER_LONG_FWD_CONFIGS:
-            return HOPPER_LONG_FWD_CONFIGS[bd]
-    return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,10 +105,43 @@ def _launch(kernel, grid, args, constexprs, config: LaunchConfig):
 
 
 # ---------------------------------------------------------------- what every launcher shares
-def _mask_constexprs(window_left: int, window_right: int, chunk_size: int, top_left: bool) -> dict:
+def mask_constexprs(mask: Mask) -> dict:
     """The mask constexprs every varlen-family kernel takes (Triton and Gluon, forward and backward)."""
-    return {"HAS_LEFT": window_left >= 0, "HAS_RIGHT": window_right >= 0, "HAS_CHUNK": chunk_size > 0,
-            "TOP_LEFT": top_left}
+    return {"HAS_LEFT": mask.left >= 0, "HAS_RIGHT": mask.right >= 0, "HAS_CHUNK": mask.chunk_size is not None,
+            "TOP_LEFT": mask.align == "top_left"}
+
+
+def mask_scalars(mask: Mask) -> tuple[int, int, int]:
+    """``(window_left, window_right, chunk_size)``: the mask's integer kernel arguments (-1 / -1 / 0: none)."""
+    return mask.left, mask.right, mask.chunk_size or 0
+
+
+NO_MASK = Mask()  # the tree kernels' mask arguments: no window, no chunk (the tree mask is a constexpr of its own)
+
+
+def mask_options(mask: Mask) -> list[int]:
+    """``mask`` as the integers a custom op's schema carries (`mask_from_options` rebuilds it)."""
+    left, right = mask.window if mask.window is not None else (0, 0)
+    return [int(mask.causal), int(mask.window is not None), left, right, mask.chunk_size or 0,
+            int(mask.align == "top_left")]
+
+
+MASK_OPTIONS = 6  # len(mask_options(...))
+
+
+@functools.lru_cache(maxsize=256)
+def mask_from_options(causal: int, has_window: int, left: int, right: int, chunk_size: int, top_left: int) -> Mask:
+    """The `Mask` of `mask_options` (cached: the ops rebuild it on every call)."""
+    return Mask(causal=bool(causal), window=(left, right) if has_window else None, chunk_size=chunk_size or None,
+                align="top_left" if top_left else "bottom_right")
+
+
+def nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float, bool]:
+    """``(q, scale, negated)`` with ``scale >= 0``: the kernels need it, and ``(q, -s)`` gives the same scores as
+    ``(-q, s)``; ``negated``: q was negated (a gradient of the original q is the negated one)."""
+    if scale < 0:
+        return -q, -scale, True
+    return q, scale, False
 
 
 def _precision(dtype: torch.dtype) -> str:

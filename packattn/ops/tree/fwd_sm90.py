@@ -154,8 +154,8 @@ def _load_tree_block(k_desc, v_desc, key_end, k_bufs, v_bufs, ends_bufs, ready, 
 @gluon.jit
 def _tree_producer(q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size, num_work,
                    heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
-    """TMA partition (one warp): per work item the first ``min(Q_AFTER, num_blocks)`` blocks, then Q
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA partition (one warp): per work item the first block (if any), then Q
     (once the consumers released the previous one), then the remaining blocks."""
     block = 0  # ring blocks issued so far (all work items of this program)
     loads_q = 0
@@ -163,7 +163,7 @@ def _tree_producer(q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num
         head, col_kv, q_start, first, last, num_blocks = _tree_item(tiles, intervals, w, num_heads_q, group_size,
                                                                     num_work, heads_per_section, HEAD_DIM, BLOCK_N)
         index, n, hi, kind = _first_block(intervals, first, last)
-        before_q = gl.minimum(num_blocks, Q_AFTER)
+        before_q = gl.minimum(num_blocks, 1)
         for b in range(0, before_q):
             _load_tree_block(k_desc, v_desc, key_end, k_bufs, v_bufs, ends_bufs, ready, empty, block + b, n, kind,
                              col_kv, total, STAGES, BLOCK_N)
@@ -195,11 +195,10 @@ def _tree_softmax(s, m_i, l_i, offs_m, offs_n, n, kind, ends, qk_scale_log2, s_l
 @gluon.jit
 def _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, intervals, base, first, last, num_blocks,
                  m_i, l_i, acc, offs_m, offs_n, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_Q_RELEASE: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """`varlen_fwd_gluon_ws._ws_attend` over the work item's ``num_blocks >= 1`` visible blocks (ring
     blocks ``base ...``), the cursor giving each block's start and kind; slot ``j`` goes back to
-    the producer on ``empty`` once PV[j] is done, Q on ``q_empty`` after the last S with
-    ``EARLY_Q_RELEASE``. Returns ``(acc, m, l)`` with no wgmma in flight."""
+    the producer on ``empty`` once PV[j] is done, Q on ``q_empty`` after the last S. Returns ``(acc, m, l)`` with no wgmma in flight."""
     dtype: gl.constexpr = q_wg.dtype
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     index, n, hi, kind = _first_block(intervals, first, last)
@@ -218,8 +217,7 @@ def _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, interva
         acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
         mbarrier.arrive(empty.index((base + j) % STAGES), count=1)  # this warp group is done with block j
         p_op = _to_operand(p, dtype, o_layout)
-    if EARLY_Q_RELEASE:
-        mbarrier.arrive(q_empty, count=1)  # every S of the work item is done: Q may be reloaded
+    mbarrier.arrive(q_empty, count=1)  # every S of the work item is done: Q may be reloaded
     last_slot = (base + num_blocks - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_bufs.index(last_slot), acc, is_async=True), ))
@@ -231,7 +229,7 @@ def _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, interva
 def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
                    group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar,
                    q_empty, ready, empty, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+                   STAGES: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every work item of
     this program."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -244,16 +242,16 @@ def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stri
                                                                     num_work, heads_per_section, HEAD_DIM, BLOCK_N)
         q_wg_start = q_start + WG * 64
         offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
-        mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
+        mbarrier.wait(q_bar, loads_q & 1)
         if num_blocks > 0:
             acc, m_i, l_i = _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, intervals, block,
                                          first, last, num_blocks, m_i, l_i, acc, offs_m, offs_n, qk_scale_log2,
-                                         s_layout, o_layout, BLOCK_N, STAGES, DIRECT_STORE)
-        elif DIRECT_STORE:
+                                         s_layout, o_layout, BLOCK_N, STAGES)
+        else:
             mbarrier.arrive(q_empty, count=1)
         # the warp group's first row as the 64-bit row offset (total * heads * d may pass 2**31), rows 0..63
-        _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, q_wg_start.to(gl.int64), 0, total - q_wg_start, head,
-                     stride_o_row, stride_o_head, stride_lse_head, o_layout, HEAD_DIM, DIRECT_STORE)
+        _ws_epilogue(acc, m_i, l_i, Out, Lse, q_wg_start.to(gl.int64), 0, total - q_wg_start, head,
+                     stride_o_row, stride_o_head, stride_lse_head, o_layout, HEAD_DIM)
         block += num_blocks
         loads_q += 1
 
@@ -262,11 +260,11 @@ def _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stri
 def _tree_consumer_worker(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
                           group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs,
                           q_bar, q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, DIRECT_STORE: gl.constexpr):
+                          STAGES: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _tree_consumer(Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total, num_heads_q,
                    group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar,
-                   q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N, STAGES, DIRECT_STORE)
+                   q_empty, ready, empty, 1, HEAD_DIM, BLOCK_N, STAGES)
 
 
 # ---------------------------------------------------------------- kernel
@@ -276,8 +274,7 @@ def tree_fwd_gluon_kernel(
     stride_o_row, stride_o_head, stride_lse_head,
     total, num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Warp-specialised tree forward (module docstring). Descriptors over the ``(total, heads *
     HEAD_DIM)`` views of q / k / v, blocks ``[BLOCK_M, HEAD_DIM]`` (q) and ``[BLOCK_N, HEAD_DIM]`` (k,
@@ -287,7 +284,6 @@ def tree_fwd_gluon_kernel(
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(BLOCK_N % 32 == 0, "the producer warp copies key_end in BLOCK_N // 32 values per thread")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
-    Q_AFTER: gl.constexpr = 1 if DIRECT_STORE else STAGES  # as in varlen_fwd_gluon_ws_kernel
 
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
@@ -298,23 +294,20 @@ def tree_fwd_gluon_kernel(
         gl.warp_specialize([
             (_tree_consumer, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
                               num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs,
-                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES,
-                              DIRECT_STORE)),
+                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES)),
             (_tree_consumer_worker, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
                                      num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem,
-                                     k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES,
-                                     DIRECT_STORE)),
+                                     k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
             (_tree_producer, (q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size,
                               num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready,
-                              empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                              empty, HEAD_DIM, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_tree_consumer, (Out, Lse, tiles, intervals, stride_o_row, stride_o_head, stride_lse_head, total,
                               num_heads_q, group_size, qk_scale_log2, num_work, heads_per_section, q_smem, k_bufs,
-                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES,
-                              DIRECT_STORE)),
+                              v_bufs, ends_bufs, q_bar, q_empty, ready, empty, 0, HEAD_DIM, BLOCK_N, STAGES)),
             (_tree_producer, (q_desc, k_desc, v_desc, key_end, tiles, intervals, total, num_heads_q, group_size,
                               num_work, heads_per_section, q_smem, k_bufs, v_bufs, ends_bufs, q_bar, q_empty, ready,
-                              empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                              empty, HEAD_DIM, BLOCK_N, STAGES)),
         ], [1], [PRODUCER_REGS])

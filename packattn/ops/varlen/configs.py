@@ -1,0 +1,291 @@
+"""Every tile table, threshold and per-GPU choice of the varlen kernels, in one place.
+
+* which kernels may run at all: `HEAD_DIMS`, `DTYPES`;
+* the portable Triton kernels: `launch_config` over `HOPPER_CONFIGS` / `HOPPER_LONG_FWD_CONFIGS` (sm_90),
+  `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
+* the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
+  `SHORT_TRIM_CONFIGS` elsewhere; it runs from `GLUON_MIN_SEQLEN` rows;
+* the sm_90 Gluon backward: `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from `DKDV_GQA_GROUP`; none at
+  d = 64, where the Triton dK/dV runs) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); a warp-specialised
+  dQ computes delta itself (`dq_computes_delta`);
+* batch length classes: `LONG_SEQLEN`, and `SHORT_SEQLEN` (`packattn.lengths`, shared with dispatch);
+* the Gluon kernels' work order: `heads_per_section` (`HEAD_SECTION`, `SHORT_HEAD_SECTION`).
+
+Experiments change these in-process with `override` (tests and benchmark scripts; no environment
+variables). The reasons behind each entry are in benchmarks/NOTES.md (versions named below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from packattn.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (a length class of these tables)
+from packattn.ops.runtime.launch import LaunchConfig, block_d, overriding
+from packattn.ops.runtime.support import cuda_index, interpreting
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs (NOTES.md, v7).
+LONG_SEQLEN = 8192
+# The Gluon forward runs when some sequence has >= GLUON_MIN_SEQLEN queries: on shorter documents the
+# Triton forward is as fast, and below 128 rows not measured (NOTES.md, v13 and v19).
+GLUON_MIN_SEQLEN = 128
+
+
+# ---------------------------------------------------------------- Triton kernels
+# (kernel, padded head dim BLOCK_D) -> config. fwd and dq run per query tile, dkdv per key tile. BLOCK_D 128 (head
+# dims 96, 128): the best of a sweep on the H200 (NOTES.md, v4 and v7); the others are only checked to compile for
+# sm_90a and fit in shared memory (scripts/check_triton_compile.py).
+HOPPER_CONFIGS = {
+    ("fwd", 32): LaunchConfig(128, 128, 4, 3),
+    ("fwd", 64): LaunchConfig(128, 128, 8, 3),
+    ("fwd", 128): LaunchConfig(128, 32, 4, 4),
+    ("fwd", 256): LaunchConfig(64, 32, 8, 2),
+    ("dq", 32): LaunchConfig(128, 64, 8, 2),
+    ("dq", 64): LaunchConfig(128, 64, 8, 2),
+    ("dq", 128): LaunchConfig(128, 64, 8, 3),
+    ("dq", 256): LaunchConfig(64, 16, 8, 1),
+    ("dkdv", 32): LaunchConfig(64, 128, 8, 2),
+    ("dkdv", 64): LaunchConfig(64, 128, 8, 2),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 3),
+    ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
+}
+# Forward of batches with a sequence of >= LONG_SEQLEN queries, BLOCK_D 128: 8 warps over 64-key blocks measured
+# faster on one long document (W4), the table's on mixes of shorter ones (NOTES.md, v7).
+HOPPER_LONG_FWD_CONFIGS = {128: LaunchConfig(128, 64, 8, 3)}
+# other CUDA GPUs (Ampere/Ada: less shared memory)
+FALLBACK_CONFIGS = {
+    ("fwd", 128): LaunchConfig(64, 64, 4, 2),
+    ("fwd", 256): LaunchConfig(64, 32, 4, 1),
+    ("dq", 128): LaunchConfig(64, 32, 4, 2),
+    ("dq", 256): LaunchConfig(32, 32, 4, 1),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
+    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
+}
+# float32 inputs (IEEE dots: no tensor cores, twice the bytes per tile) on any CUDA GPU
+FP32_CONFIGS = {
+    ("fwd", 128): LaunchConfig(64, 32, 4, 2),
+    ("fwd", 256): LaunchConfig(32, 32, 4, 1),
+    ("dq", 128): LaunchConfig(64, 32, 4, 2),
+    ("dq", 256): LaunchConfig(32, 32, 4, 1),
+    ("dkdv", 128): LaunchConfig(32, 64, 4, 2),
+    ("dkdv", 256): LaunchConfig(32, 32, 4, 1),
+}
+# Triton's interpreter: small blocks, deliberately different M and N so mix-ups show in tests
+INTERPRETER_CONFIGS = {"fwd": LaunchConfig(32, 16, 1, 1), "dq": LaunchConfig(32, 16, 1, 1),
+                       "dkdv": LaunchConfig(16, 32, 1, 1)}
+PREPROCESS_BLOCK_M = 64  # rows per program of the backward preprocess (`launch_triton.bwd_delta`)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
+                  long_seqs: bool = False) -> LaunchConfig:
+    """Block sizes and launch options of the Triton ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
+    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least `LONG_SEQLEN` queries."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_CONFIGS[kernel]
+    bd = block_d(head_dim)
+    if dtype == torch.float32:
+        table = FP32_CONFIGS
+    else:
+        table = HOPPER_CONFIGS if _is_hopper(cuda_index(device)) else FALLBACK_CONFIGS
+        if kernel == "fwd" and long_seqs and table is HOPPER_CONFIGS and bd in HOPPER_LONG_FWD_CONFIGS:
+            return HOPPER_LONG_FWD_CONFIGS[bd]
+    return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
+
+
+# ---------------------------------------------------------------- Gluon forward (sm_90)
+@dataclass(frozen=True)
+class GluonConfig:
+    """A configuration of the warp-specialised Gluon forward (`packattn.ops.varlen.fwd_sm90`): a 1-warp TMA
+    producer and one consumer partition per warp group of 64 query rows, a persistent grid, the output stored
+    from registers."""
+
+    block_m: int  # queries per tile: one consumer warp group per 64 rows, so block_m == 16 * num_warps
+    block_n: int  # keys per block
+    stages: int  # K/V ring slots (>= 2)
+    num_warps: int  # consumer warps (block_m // 16); the launch adds the producer warp
+    # each consumer warp group skips the products of the tile's key blocks in which no key is visible to any of
+    # its 64 rows (with 64-key blocks: the causal diagonal's second block for a 128-row tile's first rows)
+    trim: bool = False
+
+    def __post_init__(self):
+        if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
+            raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
+        if self.stages < 2:
+            raise ValueError(f"{self}: stages must be >= 2")
+
+
+# d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
+# fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13).
+CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
+# Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
+LONG_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
+# Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
+# warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
+SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
+SHORT_CONFIG_GPUS = ("H200",)
+# Short batches on the other GPUs: 128-row tiles over 64-key blocks, trimmed (NOTES.md, v28).
+SHORT_TRIM_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True)}
+FORCE_FWD: GluonConfig | None = None  # `override(fwd=...)`: the config every Gluon forward takes
+
+
+def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
+               device: torch.device | None = None) -> GluonConfig:
+    """The Gluon forward's config for ``head_dim`` and the batch's length class (``long_seqs`` / ``short_seqs``)
+    on CUDA ``device`` (None: the current one); its query tile table is built with ``block_m`` / ``block_n``."""
+    if FORCE_FWD is not None:
+        return FORCE_FWD
+    if short_seqs and head_dim in SHORT_CONFIGS:
+        if _short_config_gpu(cuda_index(device) if torch.cuda.is_available() else -1):
+            return SHORT_CONFIGS[head_dim]
+        return SHORT_TRIM_CONFIGS[head_dim]
+    return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
+
+
+@functools.lru_cache(maxsize=None)
+def _short_config_gpu(index: int) -> bool:
+    """Is CUDA device ``index`` one of `SHORT_CONFIG_GPUS` (False for -1: no CUDA device)?"""
+    if index < 0:
+        return False
+    name = torch.cuda.get_device_name(index)
+    return any(gpu in name for gpu in SHORT_CONFIG_GPUS)
+
+
+# Work order of the warp-specialised kernels: the query heads in sections of HEAD_SECTION kv-head groups, one
+# section after the other, so the programs running at once share few heads' K/V (Q/dO) in L2 (NOTES.md, v15);
+# short batches take sections of one group (v22). 0: all heads in one section.
+HEAD_SECTION = 2
+SHORT_HEAD_SECTION = 1
+
+
+def heads_per_section(heads_q: int, group_size: int, short_seqs: bool = False) -> int:
+    """Query heads per section of the work order: `HEAD_SECTION` (`SHORT_HEAD_SECTION` for a batch of
+    ``short_seqs``) kv-head groups, clipped to all heads and rounded down to a divisor of the kv heads."""
+    groups = SHORT_HEAD_SECTION if short_seqs else HEAD_SECTION
+    heads_kv = heads_q // group_size
+    if groups <= 0 or groups >= heads_kv:
+        return heads_q
+    while heads_kv % groups:
+        groups -= 1
+    return groups * group_size
+
+
+# ---------------------------------------------------------------- Gluon backward (sm_90)
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """A configuration of a Gluon backward pass. dK/dV (always warp-specialised): ``block_n`` keys per tile
+    (one consumer warp group per 64), ``block_m`` queries per ring step. dQ: ``block_m`` queries per tile,
+    ``block_n`` keys per step; warp-specialised (one consumer warp group per 64 queries; it also computes
+    delta, `dq_computes_delta`) or not (`packattn.ops.varlen.bwd_sm90`, 8 warps)."""
+
+    block_m: int
+    block_n: int
+    stages: int  # ring slots
+    num_warps: int  # (warp_specialize: the consumer warps; the launch adds the producer warp)
+    warp_specialize: bool
+
+
+# dK/dV: the one-consumer warp-specialised kernel at d = 128 (NOTES.md, v11 and v19); GQA groups of
+# DKDV_GQA_GROUP or more keep the two-consumer one (v19). No Gluon dK/dV at d = 64: the Triton pass runs there.
+DKDV_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
+DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
+DKDV_GQA_GROUP = 4
+# dQ: the non-specialised kernel at d = 64, the two-consumer warp-specialised one at d = 128 (NOTES.md, v12/v13);
+# the one-consumer one for short batches (v19). The dQ tile table follows the config's blocks.
+DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4, 8, False), 128: GluonBwdConfig(128, 64, 4, 8, True)}
+DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
+FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
+FORCE_DQ: GluonBwdConfig | None = None  # `override(dq=...)`: the config of every Gluon dQ pass
+
+
+def dkdv_config(head_dim: int, group: int = 1) -> GluonBwdConfig | None:
+    """The Gluon dK/dV config for ``group`` query heads per kv head, None where the Triton pass runs; its key
+    tile table is ``tile_table(seqs, mask, True, cfg.block_n, cfg.block_m)``."""
+    if FORCE_DKDV is not None:
+        return FORCE_DKDV
+    if group >= DKDV_GQA_GROUP and head_dim in DKDV_GQA_CONFIGS:
+        return DKDV_GQA_CONFIGS[head_dim]
+    return DKDV_CONFIGS.get(head_dim)
+
+
+def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
+    """The Gluon dQ config (``short_seqs``: a `short_batch`); its tile table is
+    ``tile_table(seqs, mask, False, cfg.block_m, cfg.block_n)``."""
+    if FORCE_DQ is not None:
+        return FORCE_DQ
+    if short_seqs and head_dim in DQ_SHORT_CONFIGS:
+        return DQ_SHORT_CONFIGS[head_dim]
+    return DQ_CONFIGS[head_dim]
+
+
+def dq_computes_delta(cfg: GluonBwdConfig | None) -> bool:
+    """Does the dQ pass of ``cfg`` compute delta = rowsum(dO * O) itself (the warp-specialised kernel's
+    DELTA_FROM_O), so the backward drops its preprocess (NOTES.md, v21 and v30)?"""
+    return cfg is not None and cfg.warp_specialize
+
+
+def check_dkdv_config(cfg: GluonBwdConfig) -> None:
+    """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
+    (block_n 128, num_warps 8) or one (block_n 64, num_warps 4), 32 or 64 queries per step, >= 2 stages."""
+    two = (cfg.block_n, cfg.num_warps) == (128, 8)
+    one = (cfg.block_n, cfg.num_warps) == (64, 4)
+    if not cfg.warp_specialize or not (one or two) or cfg.block_m not in (32, 64) or cfg.stages < 2:
+        raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_m 32 / 64, stages >= 2 and "
+                         "block_n 128 with num_warps 8 (two consumer warp groups) or block_n 64 with num_warps 4 "
+                         "(one), warp_specialize")
+
+
+def check_dq_config(cfg: GluonBwdConfig) -> None:
+    """Raise ValueError unless a dQ kernel takes ``cfg``: warp-specialised with two consumer warp groups
+    (block_m 128, num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages; or the
+    non-specialised kernel (block_m == 16 * num_warps)."""
+    if not cfg.warp_specialize:
+        if cfg.block_m != 16 * cfg.num_warps or cfg.stages < 2:
+            raise ValueError(f"{cfg}: the dQ kernel takes block_m == 16 * num_warps and stages >= 2")
+        return
+    two = (cfg.block_m, cfg.num_warps) == (128, 8)
+    one = (cfg.block_m, cfg.num_warps) == (64, 4)
+    if not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:
+        raise ValueError(f"{cfg}: the warp-specialised dQ kernel takes block_n 64 / 128, stages >= 2 and "
+                         "block_m 128 with num_warps 8 (two consumer warp groups) or block_m 64 with num_warps 4 "
+                         "(one)")
+
+
+def _check_tables() -> None:
+    """Every backward config in the tables (and forced by `override`) is one its kernel takes."""
+    for table in (DKDV_CONFIGS, DKDV_GQA_CONFIGS):
+        for cfg in table.values():
+            check_dkdv_config(cfg)
+    for table in (DQ_CONFIGS, DQ_SHORT_CONFIGS):
+        for cfg in table.values():
+            check_dq_config(cfg)
+    if FORCE_DKDV is not None:
+        check_dkdv_config(FORCE_DKDV)
+    if FORCE_DQ is not None:
+        check_dq_config(FORCE_DQ)
+
+
+_check_tables()
+_SHORTCUTS = {"fwd": "FORCE_FWD", "dkdv": "FORCE_DKDV", "dq": "FORCE_DQ"}
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Replace tables or thresholds of this module while the ``with`` block runs (experiments, tests; not
+    thread-safe), e.g. ``override(GLUON_MIN_SEQLEN=512, HEAD_SECTION=1)`` or ``override(DQ_CONFIGS={...})``;
+    ``fwd=`` / ``dkdv=`` / ``dq=``: one config every such Gluon pass takes, whatever the batch. The backward
+    must run under the same overrides as its forward (the forward builds its tile tables). Costs nothing on
+    the hot path: the functions read this module's names when called."""
+    names = {_SHORTCUTS.get(name, name): value for name, value in values.items()}
+    with overriding(sys.modules[__name__], names, _check_tables):
+        yield

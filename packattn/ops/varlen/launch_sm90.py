@@ -1,0 +1,179 @@
+"""Launchers of the sm_90 Gluon varlen kernels: the warp-specialised forward (`gluon_fwd`,
+`packattn.ops.varlen.fwd_sm90`), dK/dV (`gluon_dkdv`, `packattn.ops.varlen.bwd_dkdv_sm90`) and dQ
+(`gluon_dq`: `packattn.ops.varlen.bwd_dq_sm90`, or the non-specialised `packattn.ops.varlen.bwd_sm90`).
+
+They take what the Triton launchers take (`packattn.ops.varlen.launch_triton`) with TMA descriptors
+(`packattn.ops.runtime.sm90`) in place of raw pointers for q, k, v, dout (and O), plus the config the
+plan chose (`packattn.ops.varlen.configs`); the tile tables must be built with that config's blocks.
+``seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)``; outputs are preallocated
+and written on the rows of sequences only. ``scale >= 0`` (`launch.nonnegative_scale`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from packattn.mask import Mask
+from packattn.ops.runtime import fast_launch
+from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
+from packattn.ops.runtime.sm90 import _descriptor, ws_grid, ws_split
+from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
+                                         dq_computes_delta, heads_per_section)
+
+
+# ---------------------------------------------------------------- shared memory and register split
+def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2) -> int:
+    """Shared memory of one forward CTA: Q, the K/V ring and the mbarriers."""
+    return (cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_resources(cfg: GluonConfig, head_dim: int) -> dict:
+    """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory)."""
+    return ws_split(cfg.num_warps, shared_bytes(cfg, head_dim))
+
+
+def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
+    """Shared memory of one dK/dV CTA: K and V of the tile, the (Q, dO) ring, lse / delta per ring slot, the
+    consumers' query-position tables, the mbarriers (``kv_bar``, with two consumers ``zero_bar``, the ring's)."""
+    consumers = cfg.block_n // 64
+    return ((2 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * head_dim * element_size
+            + 4 * (2 * cfg.stages * cfg.block_m + consumers * cfg.block_m) + 8 * (consumers + 2 * cfg.stages))
+
+
+@functools.lru_cache(maxsize=None)
+def dkdv_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
+    """Register split of the dK/dV kernel (`sm90.ws_split`): at d = 128 with two consumer warp groups one CTA
+    per SM, maxnreg 168, consumers 240; with one (<= ~113 KB of shared memory) two CTAs per SM, maxnreg 128,
+    consumer 232."""
+    check_dkdv_config(cfg)
+    return ws_split(cfg.num_warps, dkdv_shared_bytes(cfg, head_dim))
+
+
+def dq_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2, delta_from_o: bool = False) -> int:
+    """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile (``delta_from_o``: and O), the
+    (K, V) ring, the mbarriers (``q_bar``, with two consumers ``zero_bar``, the ring's)."""
+    consumers = cfg.block_m // 64
+    tiles = 3 if delta_from_o else 2
+    return ((tiles * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size
+            + 8 * (consumers + 2 * cfg.stages))
+
+
+@functools.lru_cache(maxsize=None)
+def dq_resources(cfg: GluonBwdConfig, head_dim: int, delta_from_o: bool = False) -> dict:
+    """Register split of the warp-specialised dQ kernel, as `dkdv_resources`."""
+    check_dq_config(cfg)
+    return ws_split(cfg.num_warps, dq_shared_bytes(cfg, head_dim, delta_from_o=delta_from_o))
+
+
+# ---------------------------------------------------------------- launchers
+def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cfg: GluonConfig,
+              short_seqs: bool = False, max_programs: int | None = None) -> None:
+    """The forward into ``out`` / ``lse`` (rows in no sequence keep what they hold): a persistent grid of
+    programs over the (query tile, query head) items, longest first; ``q_tiles`` built with ``cfg``'s
+    blocks. ``max_programs`` caps the grid (tests: many items per program)."""
+    from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel
+
+    total_q, heads_q, head_dim = q.shape  # (`_descriptor` copies what TMA cannot read)
+    heads_kv = k.shape[1]
+    num_work = q_tiles.shape[0] * heads_q
+    if num_work == 0 or total_q == 0:
+        return
+    if k.shape[0] == 0:  # no keys anywhere: every row sees nothing (and a TMA tensor needs rows)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    res = fwd_resources(cfg, head_dim)
+    section = heads_per_section(heads_q, heads_q // heads_kv, short_seqs)
+    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, q_tiles,
+            *seq_args, out.stride(0), out.stride(1), lse.stride(0),
+            heads_q, heads_q // heads_kv, scale * LOG2E, *mask_scalars(mask), num_work, section)
+    fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, num_work, res, max_programs),), args, dict(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
+        DIRECT_STORE=True, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        PINGPONG=False, TRIM=cfg.trim, num_warps=4, maxnreg=res["maxnreg"]))
+
+
+def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
+               short_seqs: bool = False, key_end: torch.Tensor | None = None) -> None:
+    """dK/dV pass, one program per (key tile, kv head): ``tiles`` built with ``cfg.block_n`` keys per tile and
+    ``cfg.block_m`` queries per step; ``lse`` / ``delta`` float32 ``(heads_q, rows)``. ``key_end`` (int32
+    `Tree.row_subtree_end`): the tree mask instead of ``mask`` (``tiles`` from
+    `packattn.ops.tree.tables.build_key_tiles`, ``seq_args`` one sequence of all rows)."""
+    from packattn.ops.varlen.bwd_dkdv_sm90 import varlen_bwd_dkdv_gluon_ws_kernel
+
+    heads_kv = k.shape[1]
+    num_work = tiles.shape[0] * heads_kv
+    if num_work == 0 or k.shape[0] == 0:
+        return
+    if q.shape[0] == 0:  # no queries anywhere: no key gets a gradient (and a TMA tensor needs rows)
+        dk.zero_()
+        dv.zero_()
+        return
+    if num_work >= 2**30:  # the kernel packs the item index into 30 bits
+        raise ValueError(f"too many dK/dV work items ({num_work})")
+    lse, delta = lse.contiguous(), delta.contiguous()
+    tree = key_end is not None
+    if tree:
+        mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
+    res = dkdv_resources(cfg, q.shape[-1])
+    section = heads_per_section(q.shape[1], q.shape[1] // heads_kv, short_seqs) * heads_kv // q.shape[1]  # kv heads
+    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+            _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
+            key_end if tree else tiles,  # KeyEnd: any int32 pointer without the tree mask
+            *dk.stride()[:2], *dv.stride()[:2], lse.stride()[0], heads_kv, q.shape[1] // heads_kv, scale * LOG2E,
+            scale, *mask_scalars(mask), section, num_work)
+    fast_launch.launch(varlen_bwd_dkdv_gluon_ws_kernel, (num_work,), args, dict(
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
+        TREE=tree, PERSISTENT=False, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        num_warps=4, maxnreg=res["maxnreg"]))
+
+
+def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
+             short_seqs: bool = False, out: torch.Tensor | None = None) -> None:
+    """dQ pass, one program per (query tile, query head): ``tiles`` built with ``cfg.block_m`` queries per
+    tile and ``cfg.block_n`` keys per step. With ``out`` (the forward's O; a config that `dq_computes_delta`)
+    the kernel computes delta = rowsum(dO * O) itself and WRITES it into ``delta`` (float32, lse's shape,
+    contiguous) on the rows of tiles with key blocks; other rows keep what ``delta`` held (the caller passes
+    zeros). No dlse term then."""
+    delta_from_o = out is not None
+    if delta_from_o:
+        if not dq_computes_delta(cfg):
+            raise ValueError(f"computing delta needs a warp-specialised dQ config, not {cfg}")
+        if out.shape != dout.shape or out.dtype != dout.dtype:
+            raise ValueError("computing delta needs out (O) shaped and typed like dout")
+        if not delta.is_contiguous() or delta.shape != lse.shape:
+            raise ValueError("the dQ pass writes delta in place: it must be contiguous and shaped like lse")
+    heads_q = q.shape[1]
+    num_work = tiles.shape[0] * heads_q
+    if num_work == 0 or q.shape[0] == 0:
+        return
+    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
+        dq.zero_()
+        return
+    lse, delta = lse.contiguous(), delta.contiguous()
+    descs = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+             _descriptor(dout, cfg.block_m))
+    rest = (lse, delta, dq, tiles, *seq_args, *dq.stride()[:2], lse.stride()[0],
+            heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_scalars(mask))
+    blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  **mask_constexprs(mask))
+    if not cfg.warp_specialize:
+        from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dq_gluon_kernel
+
+        fast_launch.launch(varlen_bwd_dq_gluon_kernel, (num_work,), (*descs, *rest),
+                           dict(blocks, num_warps=cfg.num_warps))
+        return
+    from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel
+
+    if num_work >= 2**30:  # the kernel packs the item index into 30 bits
+        raise ValueError(f"too many dQ work items ({num_work})")
+    res = dq_resources(cfg, q.shape[-1], delta_from_o)
+    section = heads_per_section(heads_q, heads_q // k.shape[1], short_seqs)
+    # o_desc: None without delta_from_o (a constant for Triton: no kernel parameter)
+    o_desc = _descriptor(out, cfg.block_m) if delta_from_o else None
+    fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, (num_work,), (*descs, o_desc, *rest, section, num_work),
+                       dict(blocks, PERSISTENT=False, DELTA_FROM_O=delta_from_o, CONSUMER_REGS=res["consumer_regs"],
+                            PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
