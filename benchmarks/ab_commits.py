@@ -178,7 +178,7 @@ def worker(spec: dict) -> dict:
 
     tree = os.path.realpath(spec["tree"])
     where = os.path.realpath(packattn.__file__)
-    if not where.startswith(tree + os.sep):
+    if where != os.path.join(tree, "packattn", "__init__.py"):
         raise SystemExit(f"packattn imported from {where}, not from {tree}: check PYTHONPATH")
     tiny, backend = spec["tiny"], spec["backend"]
     cuda = not tiny
