@@ -77,6 +77,47 @@ def _to_thd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
 
 
+def _to_problem(q, k, v, seqs, layout: str, mask: Mask, causal, window, chunk_size):
+    """``(q, k, v, seqs, mask, dense)`` of a checked call in THD: the descriptor on q's device (a dense batch's
+    uniform one, ``dense = (batch, seqlen_q, seqlen_kv)``) and the mask dispatch keys on (a Tree's: causal)."""
+    tree = _as_tree(seqs)
+    if tree is not None:
+        if layout != "thd":
+            raise ValueError(f"a Tree descriptor needs layout='thd', got {layout!r}")
+        check_tree_mask(causal, window, chunk_size)
+        seqs = tree.to(q.device)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[0] != seqs.total:
+                raise ValueError(f"{name} has {t.shape[0]} rows but the tree packs {seqs.total} tokens")
+        mask = Mask.make(True)  # the causal part of the tree rule, for dispatch keys
+        return q, k, v, seqs, mask, None
+    if layout == "thd":
+        if not isinstance(seqs, Varlen):
+            raise TypeError(
+                f"layout='thd' needs a packattn.Varlen descriptor as seqs, got {type(seqs).__name__}; "
+                "pass layout='bshd' or 'sbhd' for dense batches"
+            )
+        if seqs.device != q.device:  # (`Varlen.to` returns the descriptor itself then)
+            seqs = seqs.to(q.device)
+        if q.shape[0] != seqs.total_q:
+            raise ValueError(f"q has {q.shape[0]} rows but the descriptor describes total_q={seqs.total_q}")
+        if k.shape[0] != seqs.total_kv or v.shape[0] != seqs.total_kv:
+            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} rows but the descriptor describes total_kv={seqs.total_kv}")
+        return q, k, v, seqs, mask, None
+    if seqs is not None:
+        raise ValueError(f"layout={layout!r} is a dense batch: pass seqs=None (use layout='thd' with a descriptor)")
+    b_axis = 0 if layout == "bshd" else 1
+    batch, sq, sk = q.shape[b_axis], q.shape[1 - b_axis], k.shape[1 - b_axis]
+    if k.shape[b_axis] != batch or v.shape[b_axis] != batch or v.shape[1 - b_axis] != sk:
+        raise ValueError(f"q, k, v batch/sequence sizes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    dense = (batch, sq, sk)
+    # (under torch.compile the cache is bypassed on purpose: dynamo traces the builder, and warns when it
+    # meets an lru_cache wrapper)
+    make = _dense_descriptor.__wrapped__ if torch.compiler.is_compiling() else _dense_descriptor
+    seqs = make(batch, sq, sk, q.device)
+    return _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout), seqs, mask, dense
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,45 +156,7 @@ def attention(
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
 
-    dense = None
-    tree = _as_tree(seqs)
-    if tree is not None:
-        if layout != "thd":
-            raise ValueError(f"a Tree descriptor needs layout='thd', got {layout!r}")
-        check_tree_mask(causal, window, chunk_size)
-        seqs = tree.to(q.device)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.shape[0] != seqs.total:
-                raise ValueError(f"{name} has {t.shape[0]} rows but the tree packs {seqs.total} tokens")
-        mask = Mask.make(True)  # the causal part of the tree rule, for dispatch keys
-        qt, kt, vt = q, k, v
-    elif layout == "thd":
-        if not isinstance(seqs, Varlen):
-            raise TypeError(
-                f"layout='thd' needs a packattn.Varlen descriptor as seqs, got {type(seqs).__name__}; "
-                "pass layout='bshd' or 'sbhd' for dense batches"
-            )
-        if seqs.device != q.device:  # (`Varlen.to` returns the descriptor itself then)
-            seqs = seqs.to(q.device)
-        if q.shape[0] != seqs.total_q:
-            raise ValueError(f"q has {q.shape[0]} rows but the descriptor describes total_q={seqs.total_q}")
-        if k.shape[0] != seqs.total_kv or v.shape[0] != seqs.total_kv:
-            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} rows but the descriptor describes total_kv={seqs.total_kv}")
-        qt, kt, vt = q, k, v
-    else:
-        if seqs is not None:
-            raise ValueError(f"layout={layout!r} is a dense batch: pass seqs=None (use layout='thd' with a descriptor)")
-        b_axis = 0 if layout == "bshd" else 1
-        batch, sq, sk = q.shape[b_axis], q.shape[1 - b_axis], k.shape[1 - b_axis]
-        if k.shape[b_axis] != batch or v.shape[b_axis] != batch or v.shape[1 - b_axis] != sk:
-            raise ValueError(f"q, k, v batch/sequence sizes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        dense = (batch, sq, sk)
-        # (under torch.compile the cache is bypassed on purpose: dynamo traces the builder, and warns when it
-        # meets an lru_cache wrapper)
-        make = _dense_descriptor.__wrapped__ if torch.compiler.is_compiling() else _dense_descriptor
-        seqs = make(batch, sq, sk, q.device)
-        qt, kt, vt = _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout)
-
+    qt, kt, vt, seqs, mask, dense = _to_problem(q, k, v, seqs, layout, mask, causal, window, chunk_size)
     return_lse, deterministic = bool(return_lse), bool(deterministic)
     params = dispatch.call_params(
         seqs, device_type=q.device.type, dtype=q.dtype, heads_q=q.shape[-2], heads_kv=k.shape[-2],

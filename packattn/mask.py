@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGNMENTS = ("bottom_right", "top_left")
-
 
 @dataclass(frozen=True)
 class Mask:

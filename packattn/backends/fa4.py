@@ -54,9 +54,8 @@ class Fa4Backend(Backend):
 
     def defers_to(self, params) -> tuple[str, str] | None:
         """Short batches with gradients at d = 128, no GQA, on Hopper go to the triton backend: its short-batch
-        backward measured faster than FA4's (W8, 64 documents of 512 rows, causal, heads 16/16, H100: f+b
-        1.08-1.09x FA4 in three of four runs, benchmarks/results/2026-11-25/s16_bench_rounds3_h100.*).
-        Elsewhere FA4 measured faster and leads."""
+        backward measured faster than FA4's there (W8 on H100, benchmarks/NOTES.md, "Dispatch"). Elsewhere FA4
+        measured faster and leads. Decided on `dispatch.Params` alone (``short_seqs``: `packattn.lengths`)."""
         if (params.requires_grad and params.kind == "varlen" and params.short_seqs and params.head_dim == 128
                 and params.heads_q == params.heads_kv and torch.cuda.get_device_capability()[0] == 9):
             return "triton", ("short sequences (<= 512 rows) with gradients at d = 128: the triton backend's "
