@@ -122,9 +122,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from packattn.ops.varlen.bwd_sm90 import LOG2E, _aligned_range_of_keys, _store_tile
-from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK, KV_PHASE_BIT, _dkdv_tile, _dkdv_ws_producer
+from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
 from packattn.ops.varlen.common_sm90 import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers
+from packattn.ops.varlen.fwd_sm90 import _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # ---------------------------------------------------------------- consumers
@@ -180,29 +180,10 @@ def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale
 
 
 @gluon.jit
-def _tail_phase(ntail, PERSISTENT: gl.constexpr):
-    """``zero_bar`` phase of the next tail step: the parity of ``ntail`` (tail steps so far), or with
-    ``PERSISTENT`` bit 31 of the consumer's state word (`ITEM_MASK`)."""
-    if PERSISTENT:
-        return (ntail >> 31) & 1
-    else:
-        return ntail & 1
-
-
-@gluon.jit
-def _count_tail(ntail, PERSISTENT: gl.constexpr):
-    """``ntail`` after one more tail step (`_tail_phase`)."""
-    if PERSISTENT:
-        return ntail ^ -2147483648  # flip bit 31
-    else:
-        return ntail + 1
-
-
-@gluon.jit
 def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready, empty, zero_bar,
                   m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+                  CONSUMERS: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
     docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight. ``PERSISTENT``: ``ntail`` is the
     consumer's state word (`_tail_phase`), and consumer 0 zeroes both tails (Q and dO rows): a
@@ -219,17 +200,13 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
             _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
             _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
         else:
-            if PERSISTENT:
-                if WG == 0:
-                    _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-                    _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-            elif WG == 0:
+            if WG == 0:
                 _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
             else:
                 _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
             mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's part is zero too
-            ntail = _count_tail(ntail, PERSISTENT)
+            mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's part is zero too
+            ntail += 1
 
     s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_wg, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -263,7 +240,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
                   do_bufs, stats, kv_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  TREE: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+                  TREE: gl.constexpr, CONSUMERS: gl.constexpr):
     """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
     K / V have landed (``kv_bar`` phase ``kv_phase``). Without ``PERSISTENT`` the query-position
     table is filled here (the persistent loop fills it once); with it ``ntail`` is the consumer's
@@ -271,15 +248,14 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
     offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
     q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
-    if not PERSISTENT:
-        _fill_cols(cols, BLOCK_M)
+    _fill_cols(cols, BLOCK_M)
     m_end = m_lo + num_m_blocks * BLOCK_M
     m_start = m_lo  # first query of step it (query heads x blocks, as the producer walks them)
     mbarrier.wait(kv_bar, kv_phase)
     for it in range(step, step + total):
         dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
                                       empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout,
-                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, PERSISTENT, CONSUMERS)
+                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, CONSUMERS)
         m_start += BLOCK_M
         if m_start == m_end:
             m_start = m_lo
@@ -299,167 +275,68 @@ def _store_dkdv(dk, dv, dK, dV, dk_stage, dv_stage, kv_head, first_key, len_kv, 
 
 
 @gluon.jit
-def _store_rows_direct(acc, base, first_row, end_row, stride_row, o_layout: gl.constexpr, ROWS: gl.constexpr,
-                       HEAD_DIM: gl.constexpr):
-    """Store rows ``first_row + i < end_row`` of ``acc`` (cast to ``base``'s dtype) to
-    ``base[row * stride_row + d]`` straight from the accumulator layout (pairs of adjacent columns
-    per thread, no shared memory: `varlen_fwd_gluon_ws._store_out_direct`)."""
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = base + rows.to(gl.int64)[:, None] * stride_row + cols[None, :]
-    gl.store(ptrs, acc.to(base.dtype.element_ty), mask=(rows < end_row)[:, None])
-
-
-@gluon.jit
-def _store_dkdv_direct(dk, dv, dK, dV, kv_head, first_key, len_kv, row0_kv, stride_dk_row, stride_dk_head,
-                       stride_dv_row, stride_dv_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """`_store_dkdv` straight from the accumulators (`_store_rows_direct`), ``dk`` already times ``scale``."""
-    row0_kv64 = row0_kv.to(gl.int64)
-    _store_rows_direct(dv, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key, len_kv,
-                       stride_dv_row, o_layout, WG_KEYS, HEAD_DIM)
-    _store_rows_direct(dk, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head, first_key,
-                       len_kv, stride_dk_row, o_layout, WG_KEYS, HEAD_DIM)
-
-
-@gluon.jit
-def _store_item(dk_scaled, dv, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                heads_per_section, num_work, o_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """Persistent epilogue: decode the work item of ``state`` again (from an opaque copy: nothing of the
-    first decode is kept across the steps) and store this consumer's rows of ``dK * scale``
-    (``dk_scaled``) and dV straight from registers. The strides pass through ``+ 16 * z`` with ``z``
-    an opaque 0: LLVM cannot hoist their 64-bit extensions out of the persistent loop (four registers
-    held across the steps), and Triton still sees multiples of 16 (vectorised stores)."""
-    w = _opaque(state) & ITEM_MASK
-    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, _opaque(num_work),
-                   num_heads_kv, group_size, heads_per_section, BLOCK_M)
-    first_key = k_start + WG * WG_KEYS
-    if seq >= 0:
-        z = (_opaque(w) - w) * 16
-        _store_dkdv_direct(dk_scaled, dv, dK, dV, kv_head, first_key, len_kv, row0_kv, stride_dk_row + z,
-                           stride_dk_head + z, stride_dv_row + z, stride_dv_head + z, o_layout, HEAD_DIM)
-
-
-@gluon.jit
 def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                      num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                      q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, WG: gl.constexpr,
+                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                      q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, WG: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                       HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
-                      PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+                      CONSUMERS: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): keys ``[64 WG, 64 WG + 64)`` of the
-    tile, their dK / dV; with ``PERSISTENT`` for each work item ``pid, pid + nprog, ...`` (module docstring: one state
-    word, ring steps counted over the items, K / V released on ``kv_empty`` after the item's last
-    step, dK / dV stored from registers)."""
+    program's key tile, their dK / dV."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
     k_wg = k_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     v_wg = v_smem.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     cols = col_smem.index(WG)
-    if PERSISTENT:
-        _fill_cols(cols, BLOCK_M)
-        step = 0  # ring steps consumed so far (all work items of this program)
-        state = _opaque_program_id(num_work)  # work item | K / V parity | tail parity (`ITEM_MASK`)
-        while (state & ITEM_MASK) < num_work:
-            seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-                _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
-                           _opaque(num_work), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-            zero = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
-            if total > 0:
-                # (opaque window arguments: LLVM would hoist their sums with per-thread key offsets)
-                dk, dv, state = _consume_tile(step, (state >> 30) & 1, zero, zero, state, k_start, m_lo, m_mid_lo,
-                                              m_mid_hi, num_m_blocks, total, len_q, len_kv, KeyEnd, qk_scale_log2,
-                                              _opaque(window_left), _opaque(window_right), _opaque(chunk_size), k_wg,
-                                              v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar,
-                                              s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                                              HAS_CHUNK, TOP_LEFT, TREE, True, CONSUMERS)
-                mbarrier.arrive(kv_empty, count=1)  # last wgmma on K / V done: the next item's may load
-                step += total
-                state = state ^ KV_PHASE_BIT
-                _store_item(dk * scale, dv, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                            row_offsets_kv, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                            group_size, heads_per_section, num_work, o_layout, WG, HEAD_DIM, BLOCK_M)
-            else:  # no barrier operation: the producer loads nothing for this item
-                _store_item(zero, zero, state, dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                            row_offsets_kv, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                            group_size, heads_per_section, num_work, o_layout, WG, HEAD_DIM, BLOCK_M)
-            state += _opaque_num_programs(state)
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
+                   gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+    if total > 0:
+        dk, dv, ntail = _consume_tile(0, 0, dk, dv, m_lo * 0, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks,
+                                      total, len_q, len_kv, KeyEnd, qk_scale_log2, window_left, window_right,
+                                      chunk_size, k_wg, v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty,
+                                      zero_bar, s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS)
+    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+    if CONSUMERS == 1:  # (at 232 registers the section size, if shared with the first decode, spills)
+        nprog = _opaque_num_programs(num_heads_kv)
     else:
-        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
-                       gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-        dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
-        dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
-        if total > 0:
-            dk, dv, ntail = _consume_tile(0, 0, dk, dv, m_lo * 0, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks,
-                                          total, len_q, len_kv, KeyEnd, qk_scale_log2, window_left, window_right,
-                                          chunk_size, k_wg, v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                                          zero_bar, s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, False, CONSUMERS)
-        # decoded again: the loads are cheaper than holding these scalars in registers across the loop
-        if CONSUMERS == 1:  # (at 232 registers the section size, if shared with the first decode, spills)
-            nprog = _opaque_num_programs(num_heads_kv)
-        else:
-            nprog = gl.num_programs(0)
-        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                       _opaque_program_id(num_heads_kv), nprog, num_heads_kv, group_size, heads_per_section,
-                       BLOCK_M)
-        first_key = k_start + WG * WG_KEYS
-        if seq >= 0:
-            # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
-            # with total == 0 no TMA was issued into them)
-            _store_dkdv(dk, dv, dK, dV, k_wg, v_wg, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
-                        stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM)
+        nprog = gl.num_programs(0)
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                   _opaque_program_id(num_heads_kv), nprog, num_heads_kv, group_size, heads_per_section, BLOCK_M)
+    first_key = k_start + WG * WG_KEYS
+    if seq >= 0:
+        # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
+        # with total == 0 no TMA was issued into them)
+        _store_dkdv(dk, dv, dK, dV, k_wg, v_wg, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
+                    stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM)
 
 
 @gluon.jit
 def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                              stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty,
+                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
                              zero_bar, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr, PERSISTENT: gl.constexpr):
+                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
     """The second consumer warp group (keys 64..127) as a worker partition."""
     _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                      num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                      q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES,
-                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT, 2)
+                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
+                      q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES,
+                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, 2)
 
 
-# ---------------------------------------------------------------- kernel
 @gluon.jit
-def varlen_bwd_dkdv_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
-    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
-    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
-    num_work,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
-    PERSISTENT: gl.constexpr = False,
-):
-    """Warp-specialised `varlen_bwd_dkdv_gluon_kernel` (module docstring), same arguments plus ``KeyEnd``,
-    ``num_work``, the register split, ``TREE`` and ``PERSISTENT``; launch with ``num_warps = 4`` and
-    ``maxnreg`` as `triton_bwd_gluon.dkdv_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc``
-    blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``TREE``: the
-    tree mask (module docstring), ``KeyEnd`` int32 `Tree.row_subtree_end`; otherwise ``KeyEnd`` is
-    unused (any int32 pointer) and the ``HAS_*`` / ``TOP_LEFT`` mask applies. ``num_work = tiles.shape[0]
-    * num_heads_kv`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the
-    argument is then unused), spread over a smaller grid with it (module docstring)."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
-    gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
-    gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
-    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS
-    gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
-
+def _dkdv_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Shared memory of the kernel, barriers initialised: ``(k_smem, v_smem, q_bufs, do_bufs, col_smem, stats,
+    kv_bar, zero_bar, ready, empty)`` (module docstring; ``zero_bar`` is ``kv_bar``, unused, with one consumer)."""
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -477,41 +354,64 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
         mbarrier.init(kv_bar, count=1)
         zero_bar = kv_bar  # (unused)
     ready, empty = _ring_barriers(STAGES, CONSUMERS)
-    if PERSISTENT:
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty, count=2)  # both consumers are done with the item's K / V
-    else:  # one work item per program: K / V are loaded once (and stage the epilogue)
-        kv_empty = kv_bar  # (unused)
+    return k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty
 
+
+# ---------------------------------------------------------------- kernel
+@gluon.jit
+def varlen_bwd_dkdv_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
+    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
+    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
+    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
+    num_work,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
+):
+    """dK, dV of one (key tile, kv head) per program, grid ``num_work = tiles.shape[0] * num_heads_kv`` (the
+    argument itself is unused). Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` /
+    ``PRODUCER_REGS`` from `packattn.ops.runtime.sm90.ws_split`. Descriptors over the ``(rows, heads *
+    HEAD_DIM)`` views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks
+    ``[BLOCK_N, HEAD_DIM]``; ``Lse`` / ``Delta`` float32 ``(heads_q, rows)`` with row stride 1. ``TREE``: the
+    tree mask, ``KeyEnd`` int32 `Tree.row_subtree_end`; otherwise ``KeyEnd`` is unused (any int32 pointer) and
+    the ``HAS_*`` / ``TOP_LEFT`` mask applies."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
+    gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
+    gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
+    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS
+    k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty = _dkdv_ws_buffers(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CONSUMERS)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                                  stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                                 heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                                 chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready,
-                                 empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                 TOP_LEFT, TREE, PERSISTENT, CONSUMERS)),
+                                 heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                                 k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0,
+                                 HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
+                                 CONSUMERS)),
             (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                         KeyEnd, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
-                                        num_heads_kv, group_size, heads_per_section, num_work, qk_scale_log2, scale,
+                                        num_heads_kv, group_size, heads_per_section, qk_scale_log2, scale,
                                         window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
-                                        do_bufs, stats, kv_bar, kv_empty, ready, empty, zero_bar, HEAD_DIM, BLOCK_M,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, PERSISTENT)),
+                                        do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_M,
+                                        STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
             (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
                                  row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                                 heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
-                                 ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+                                 heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
+                                 HEAD_DIM, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # one consumer warp group (keys 0..63) in the default partition; the launch pads the producer to 4 warps
         gl.warp_specialize([
             (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
                                  stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                                 heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                                 chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready,
-                                 empty, zero_bar, 0, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                 TOP_LEFT, TREE, PERSISTENT, CONSUMERS)),
+                                 heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                                 k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0,
+                                 HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
+                                 CONSUMERS)),
             (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
                                  row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                                 heads_per_section, num_work, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty,
-                                 ready, empty, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+                                 heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
+                                 HEAD_DIM, BLOCK_M, STAGES)),
         ], [1], [PRODUCER_REGS])

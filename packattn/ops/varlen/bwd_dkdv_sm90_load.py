@@ -11,12 +11,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.varlen.common_sm90 import _tile_row
-from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _section_order
-
-# a persistent partition's state word (one register): bits 0..29 the work item, bit 30 the parity of the K / V
-# tiles loaded (producer) / consumed (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
-ITEM_MASK = gl.constexpr((1 << 30) - 1)
-KV_PHASE_BIT = gl.constexpr(1 << 30)
+from packattn.ops.varlen.fwd_sm90 import _section_order
 
 
 @gluon.jit
@@ -86,68 +81,22 @@ def _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_ro
 
 
 @gluon.jit
-def _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start, m_lo,
-                  num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar,
-                  kv_empty, ready, empty, step, nkv, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """All loads of one work item with ``total > 0`` steps, its ring steps ``step .. step + total - 1``.
-    One work item per program: K / V, then the steps. ``PERSISTENT``: the first ``min(total,
-    STAGES)`` steps (they wait only for the previous item's last steps), then K / V once both
-    consumers released the previous item's K / V on ``kv_empty`` (``nkv``: parity of the K / V
-    loads before this one), then the other steps."""
-    if not PERSISTENT:
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
-    first_head = kv_head * group_size
-    row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
-    lse_row = Lse + row_off
-    delta_row = Delta + row_off
-    m_end = m_lo + num_m_blocks * BLOCK_M
-    g = m_lo * 0  # query head of the group and first query of the next step
-    m_start = m_lo
-    if PERSISTENT:
-        split = step + gl.minimum(total, STAGES)
-        g, m_start = _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row,
-                                    stride_lse_head, first_head, row0_q, len_q, m_lo, m_end, step, split, g, m_start,
-                                    HEAD_DIM, BLOCK_M, STAGES)
-        mbarrier.wait(kv_empty, (nkv & 1) ^ 1)  # both consumers' last wgmma on the previous K / V are done
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
-        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
-                       first_head, row0_q, len_q, m_lo, m_end, split, step + total, g, m_start, HEAD_DIM, BLOCK_M,
-                       STAGES)
-    else:
-        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row, stride_lse_head,
-                       first_head, row0_q, len_q, m_lo, m_end, step, step + total, g, m_start, HEAD_DIM, BLOCK_M,
-                       STAGES)
-
-
-@gluon.jit
 def _dkdv_ws_producer(q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, num_work, k_smem,
-                      v_smem, q_bufs, do_bufs, stats, kv_bar, kv_empty, ready, empty, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Load partition (one warp): `_produce_tile` for this program's work item, or with ``PERSISTENT``
-    for each of its work items ``pid, pid + nprog, ...`` (ring steps and K / V loads counted over
-    all of them, as the consumers count them). Items without steps load nothing."""
-    if PERSISTENT:
-        step = 0  # ring steps issued so far
-        state = _opaque_program_id(num_work)  # work item | parity of the K / V loads issued so far (`ITEM_MASK`)
-        while (state & ITEM_MASK) < num_work:
-            seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-                _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
-                           _opaque(num_work), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-            if total > 0:
-                _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head,
-                              k_start, m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs,
-                              do_bufs, stats, kv_bar, kv_empty, ready, empty, step, (state >> 30) & 1, HEAD_DIM,
-                              BLOCK_M, STAGES, True)
-                step += total
-                state = state ^ KV_PHASE_BIT
-            state += _opaque_num_programs(state)
-    else:
-        seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
-            _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
-                       gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-        if total > 0:
-            _produce_tile(q_desc, k_desc, v_desc, do_desc, Lse, Delta, stride_lse_head, group_size, kv_head, k_start,
-                          m_lo, num_m_blocks, total, len_q, row0_q, row0_kv, k_smem, v_smem, q_bufs, do_bufs, stats,
-                          kv_bar, kv_empty, ready, empty, 0, 0, HEAD_DIM, BLOCK_M, STAGES, False)
+                      row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, k_smem,
+                      v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Load partition (one warp): the program's K / V tile, then its ``total`` ring steps (`_produce_steps`).
+    A tile without steps loads nothing."""
+    seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
+        _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
+                   gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
+    if total > 0:
+        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM)
+        first_head = kv_head * group_size
+        row_off = first_head.to(gl.int64) * stride_lse_head + row0_q.to(gl.int64)
+        lse_row = Lse + row_off
+        delta_row = Delta + row_off
+        m_end = m_lo + num_m_blocks * BLOCK_M
+        _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_row, delta_row,
+                       stride_lse_head, first_head, row0_q, len_q, m_lo, m_end, 0, total, m_lo * 0, m_lo, HEAD_DIM,
+                       BLOCK_M, STAGES)

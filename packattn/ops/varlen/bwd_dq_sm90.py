@@ -148,12 +148,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.ops.varlen.bwd_sm90 import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.ops.varlen.bwd_dq_sm90_delta import _delta_from_o
-from packattn.ops.varlen.bwd_dq_sm90_load import Q_PHASE_BIT, _dq_tile, _dq_ws_producer
-from packattn.ops.varlen.bwd_dkdv_sm90 import _count_tail, _store_rows_direct, _tail_phase
-from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK
+from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile, _dq_ws_producer
 from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.fwd_sm90 import (_opaque, _opaque_num_programs, _opaque_program_id, _ring_barriers,
-                                                  _work_item)
+from packattn.ops.varlen.fwd_sm90 import (_ring_barriers)
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -180,21 +177,19 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
                 chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CARRY_DS: gl.constexpr,
-                WITH_PREV: gl.constexpr, PERSISTENT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
+                WITH_PREV: gl.constexpr, CONSUMERS: gl.constexpr = 2,
                 o_wg=None, delta_ptr=None, delta_rows=None, DELTA_FROM_O: gl.constexpr = False):
     """Ring step ``j``, the key block at ``n_start``, of one consumer warp group (module docstring).
     ``CARRY_DS``: issue the previous block's ``dQ += dS K`` (operand ``ds_prev``, when ``WITH_PREV``)
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
     dQ product here. ``TREE``: the tree mask (`_probs_tree`, ``key_ends``: the ring of the blocks'
-    ``key_end``), else the varlen masks (``key_ends`` unused). ``PERSISTENT``: ``ntail`` is the
-    consumer's state word (`varlen_bwd_gluon_ws._tail_phase`: the tail parity in bit 31). ``CONSUMERS
+    ``key_end``), else the varlen masks (``key_ends`` unused). ``CONSUMERS
     == 1`` (module docstring, ONE CONSUMER): the only consumer zeroes both tails (K and V rows), no
     ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight.
-    ``DELTA_FROM_O`` (the tile's first step, not persistent; ``delta`` is None): delta = rowsum(dO O) from
+    ``DELTA_FROM_O`` (the tile's first step; ``delta`` is None): delta = rowsum(dO O) from
     ``do_wg`` / ``o_wg`` while the S and dP wgmma run, stored to ``delta_ptr[i]`` for ``i < delta_rows``
     (`_delta_from_o`); returns ``(dq, ds, ntail, delta)``."""
-    gl.static_assert((not DELTA_FROM_O) | ((not PERSISTENT) & (not WITH_PREV) & (not TREE)),
-                     "delta from O: not persistent, the tile's first step")
+    gl.static_assert((not DELTA_FROM_O) | ((not WITH_PREV) & (not TREE)), "delta from O: the tile's first step")
     slot = j % STAGES
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     k_buf = k_bufs.index(slot)
@@ -209,8 +204,8 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
             else:
                 _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
             mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, _tail_phase(ntail, PERSISTENT))  # the other consumer's half is zero too
-            ntail = _count_tail(ntail, PERSISTENT)
+            mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
+            ntail += 1
 
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -252,12 +247,11 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                   zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
                   chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                  CONSUMERS: gl.constexpr = 2, o_wg=None, delta_ptr=None, delta_rows=None,
+                  HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, CONSUMERS: gl.constexpr = 2, o_wg=None,
+                  delta_ptr=None, delta_rows=None,
                   DELTA_FROM_O: gl.constexpr = False):
     """The tile's ``num_blocks >= 1`` key blocks ``n_lo + b * BLOCK_N`` (fully visible band ``[n_mid_lo,
-    n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group (``step``: 0, or with
-    ``PERSISTENT`` the ring steps of the program's earlier items, and ``ntail`` the state word): with
+    n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group: with
     ``CARRY_DS`` (``STAGES >= 3``) dS crosses from block to block and the last dQ product is finished
     (and its slot released) here. Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel,
     `tree_dq_gluon_ws`, walks its intervals with its own loop around `_dq_ws_step`.) ``DELTA_FROM_O``
@@ -270,7 +264,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                            empty, zero_bar, lse_log2, None, offs_m, n_mid_lo, n_mid_hi, len_q,
                                            len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                            o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                           TOP_LEFT, False, CARRY_DS, False, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                                           TOP_LEFT, False, CARRY_DS, False, CONSUMERS, o_wg, delta_ptr,
                                            delta_rows, True)
         first_b = 1
     if CARRY_DS:
@@ -279,13 +273,13 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                         zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv,
                                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG,
                                         BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False,
-                                        True, False, PERSISTENT, CONSUMERS)
+                                        True, False, CONSUMERS)
         for b in range(1, num_blocks):
             dq, ds, ntail = _dq_ws_step(step + b, n_lo + b * BLOCK_N, ds, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, True, True, PERSISTENT, CONSUMERS)
+                                        TOP_LEFT, False, True, True, CONSUMERS)
         last = (step + num_blocks - 1) % STAGES
         dq, ds = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True), ds))
         mbarrier.arrive(empty.index(last), count=1)
@@ -295,7 +289,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
                                         None, ready, empty, zero_bar, lse_log2, delta, offs_m, n_mid_lo, n_mid_hi,
                                         len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
                                         o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                        TOP_LEFT, False, False, False, PERSISTENT, CONSUMERS)
+                                        TOP_LEFT, False, False, False, CONSUMERS)
     return dq, ntail
 
 
@@ -305,7 +299,7 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
                   k_bufs, v_bufs, q_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, o_wg=None, DELTA_FROM_O: gl.constexpr = False):
+                  CONSUMERS: gl.constexpr, o_wg=None, DELTA_FROM_O: gl.constexpr = False):
     """One tile with ``num_blocks >= 1`` key blocks, ring steps ``step ...``: this warp group's lse / delta
     / query positions, wait for Q / dO (``q_bar`` phase ``q_phase``), the blocks (`_dq_ws_blocks`).
     ``DELTA_FROM_O``: delta is not loaded; the first step computes it from dO / O (``o_wg``, loaded on
@@ -321,7 +315,7 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
         return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                              ready, empty, zero_bar, lse_log2, None, offs_m, len_q, len_kv, qk_scale_log2,
                              window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
-                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS, o_wg, delta_ptr,
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_wg, delta_ptr,
                              len_q - first, True)
     else:
         delta = _row_vector(Delta, head, stride_lse_head, row0_q, first, len_q, WG_ROWS, row_layout, 0.0)
@@ -329,122 +323,68 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
         return _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, do_wg, k_bufs, v_bufs,
                              ready, empty, zero_bar, lse_log2, delta, offs_m, len_q, len_kv, qk_scale_log2,
                              window_left, window_right, chunk_size, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES,
-                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT, CONSUMERS)
-
-
-@gluon.jit
-def _store_item(dq_scaled, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                stride_dq_head, num_heads_q, group_size, heads_per_section, num_work, o_layout: gl.constexpr,
-                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Persistent epilogue: decode the work item of ``state`` again (from an opaque copy: nothing of the
-    first decode is kept across the steps) and store this consumer's rows of ``dQ * scale``
-    (``dq_scaled``) straight from registers (`_store_rows_direct`). The strides pass through ``+ 16 *
-    z`` with ``z`` an opaque 0, as in `varlen_bwd_gluon_ws._store_item`: LLVM cannot hoist their
-    64-bit extensions out of the persistent loop, and Triton still sees multiples of 16."""
-    w = _opaque(state) & ITEM_MASK
-    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-        _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-                   heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
-    if seq >= 0:
-        z = (_opaque(w) - w) * 16
-        stride_row = stride_dq_row + z
-        base = dQ + row0_q.to(gl.int64) * stride_row + head.to(gl.int64) * (stride_dq_head + z)
-        _store_rows_direct(dq_scaled, base, q_start + WG * WG_ROWS, len_q, stride_row, o_layout, WG_ROWS, HEAD_DIM)
+                             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS)
 
 
 @gluon.jit
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
-                    qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                    q_bar, q_empty, ready, empty, zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, PERSISTENT: gl.constexpr,
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                     CONSUMERS: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
-    the tile, their dQ; with ``PERSISTENT`` (two consumers only) for each work item ``pid, pid + nprog,
-    ...`` (module docstring: one state word, ring steps counted over the items, Q / dO released on
-    ``q_empty`` after the item's last wgmma, dQ stored from registers). ``DELTA_FROM_O`` (not persistent):
-    delta of its rows from dO and O (its rows of ``o_smem``) instead of loaded (`_consume_item`)."""
+    the program's tile, their dQ. ``DELTA_FROM_O``: delta of its rows from dO and O (its rows of ``o_smem``)
+    instead of loaded (`_consume_item`)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)  # S, dP: (64 queries, BLOCK_N keys)
     o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dQ: (64 queries, HEAD_DIM)
     q_wg = q_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     do_wg = do_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0)
-    if PERSISTENT:
-        step = 0  # ring steps consumed so far (all work items of this program)
-        state = _opaque_program_id(num_work)  # work item | Q / dO parity | tail parity (`ITEM_MASK`)
-        while (state & ITEM_MASK) < num_work:
-            seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-                _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
-                           num_heads_q, group_size, heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
-            zero = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-            if num_blocks > 0:
-                # (opaque window arguments, and the lse stride through an opaque + 16 * 0 as `_store_item`'s
-                # strides: LLVM would hoist values derived from them to the kernel entry, and ptxas spills them)
-                lse_stride = stride_lse_head + (_opaque(state) - state) * 16
-                dq, state = _consume_item(step, (state >> 30) & 1, zero, state, head, q_start, n_lo, n_mid_lo,
-                                          n_mid_hi, num_blocks, len_q, len_kv, row0_q, Lse, Delta, lse_stride,
-                                          qk_scale_log2, _opaque(window_left), _opaque(window_right),
-                                          _opaque(chunk_size), q_wg, do_wg, k_bufs,
-                                          v_bufs, q_bar, ready, empty, zero_bar, s_layout, o_layout, WG, BLOCK_N,
-                                          HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, True,
-                                          CONSUMERS)
-                mbarrier.arrive(q_empty, count=1)  # last wgmma on Q / dO done: the next item's may load
-                step += num_blocks
-                state = state ^ Q_PHASE_BIT
-                _store_item(dq * scale, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            stride_dq_row, stride_dq_head, num_heads_q, group_size, heads_per_section, num_work,
-                            o_layout, WG, HEAD_DIM, BLOCK_N)
-            else:  # no barrier operation: the producer loads nothing for this item
-                _store_item(zero, state, dQ, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            stride_dq_row, stride_dq_head, num_heads_q, group_size, heads_per_section, num_work,
-                            o_layout, WG, HEAD_DIM, BLOCK_N)
-            state += _opaque_num_programs(state)
-    else:
-        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                     heads_per_section, HEAD_DIM, BLOCK_N)
-        dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-        if num_blocks > 0:
-            ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
-            if DELTA_FROM_O:  # this warp group's rows of O
-                dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
-                                          len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
-                                          window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
-                                          zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS,
-                                          o_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0), True)
-            else:
-                dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
-                                          len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
-                                          window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
-                                          zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, CONSUMERS)
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 heads_per_section, HEAD_DIM, BLOCK_N)
+    dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    if num_blocks > 0:
+        ntail = n_lo * 0  # tail steps so far (an i32 value: it changes inside a branch)
+        if DELTA_FROM_O:  # this warp group's rows of O
+            dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
+                                      len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
+                                      window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
+                                      zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS,
+                                      o_smem.slice(WG * WG_ROWS, WG_ROWS, dim=0), True)
+        else:
+            dq, ntail = _consume_item(0, 0, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q,
+                                      len_kv, row0_q, Lse, Delta, stride_lse_head, qk_scale_log2, window_left,
+                                      window_right, chunk_size, q_wg, do_wg, k_bufs, v_bufs, q_bar, ready, empty,
+                                      zero_bar, s_layout, o_layout, WG, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS)
 
-        # decoded again: the loads are cheaper than holding these scalars in registers across the loop
-        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                     heads_per_section, HEAD_DIM, BLOCK_N, True)
-        if seq >= 0:
-            # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
-            # with num_blocks == 0 no TMA was issued into them)
-            base = dQ + row0_q.to(gl.int64) * stride_dq_row + head.to(gl.int64) * stride_dq_head
-            _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
+    # decoded again: the loads are cheaper than holding these scalars in registers across the loop
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 heads_per_section, HEAD_DIM, BLOCK_N, True)
+    if seq >= 0:
+        # staged through this warp group's own Q rows (nobody else reads them; its wgmma are done;
+        # with num_blocks == 0 no TMA was issued into them)
+        base = dQ + row0_q.to(gl.int64) * stride_dq_row + head.to(gl.int64) * stride_dq_head
+        _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
 
 
 @gluon.jit
 def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                            stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                           num_work, qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem,
-                           k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                           HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                           PERSISTENT: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
+                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs,
+                           v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, o_smem=None,
+                           DELTA_FROM_O: gl.constexpr = False):
     """The second consumer warp group (queries 64..127) as a worker partition."""
     _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, num_work,
-                    qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs,
-                    q_bar, q_empty, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                    HAS_CHUNK, TOP_LEFT, PERSISTENT, 2, o_smem, DELTA_FROM_O)
+                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, 2, o_smem,
+                    DELTA_FROM_O)
 
 
 # ---------------------------------------------------------------- kernel
@@ -489,63 +429,51 @@ def varlen_bwd_dq_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PERSISTENT: gl.constexpr = False, DELTA_FROM_O: gl.constexpr = False,
+    DELTA_FROM_O: gl.constexpr = False,
 ):
-    """Warp-specialised `varlen_bwd_dq_gluon_kernel` (module docstring), same arguments plus ``num_work``,
-    the register split and ``PERSISTENT``; launch with ``num_warps = 4`` and ``maxnreg`` as
-    `triton_bwd_gluon.dq_ws_resources` says. Descriptors: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M,
-    HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``num_work = tiles.shape[0] *
-    num_heads_q`` work items: one per program without ``PERSISTENT`` (grid ``num_work``; the argument is
-    then unused), spread over a smaller grid with it (module docstring). ``BLOCK_M`` 128: two consumer
-    warp groups; 64: one (ONE CONSUMER in the module docstring; not with ``PERSISTENT``). ``DELTA_FROM_O``
-    (not with ``PERSISTENT``; `varlen_bwd_gluon_dq_delta`): ``o_desc`` (O, blocks as ``do_desc``) is
-    loaded with Q / dO, ``Delta`` is written (rowsum(dO O) of the tile's rows) instead of read; without it
-    ``o_desc`` is unused (the launcher passes None: no kernel parameter)."""
+    """dQ of one (query tile, query head) per program, grid ``num_work = tiles.shape[0] * num_heads_q`` (the
+    argument itself is unused). Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` /
+    ``PRODUCER_REGS`` from `packattn.ops.runtime.sm90.ws_split`. Descriptors: ``q_desc`` / ``do_desc`` blocks
+    ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``BLOCK_M`` 128: two consumer
+    warp groups; 64: one. ``DELTA_FROM_O`` (`packattn.ops.varlen.bwd_dq_sm90_delta`): ``o_desc`` (O, blocks as
+    ``do_desc``) is loaded with Q / dO and ``Delta`` is written (rowsum(dO O) of the tile's rows) instead of
+    read; without it ``o_desc`` is unused (the launcher passes None: no kernel parameter)."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == WG_ROWS) | (BLOCK_M == 2 * WG_ROWS), "one or two consumer warp groups of 64 queries")
-    gl.static_assert((not PERSISTENT) | (CONSUMERS == 2), "the persistent grid needs two consumer warp groups")
-    gl.static_assert((not DELTA_FROM_O) | (not PERSISTENT), "delta from O: one tile per program")
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps, CONSUMERS)
     if DELTA_FROM_O:  # O of the tile (loaded on q_bar with Q / dO), read by the consumer's row sums only
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
     else:
         o_smem = do_smem  # (unused)
-    if PERSISTENT:
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_empty, count=2)  # both consumers are done with the item's Q / dO
-    else:  # one work item per program: Q / dO are loaded once (and stage the epilogue)
-        q_empty = q_bar  # (unused)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
-                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS, o_smem, DELTA_FROM_O)),
+                               heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                               q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N,
+                               STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_smem, DELTA_FROM_O)),
             (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                                       row_offsets_kv, stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q,
-                                      group_size, heads_per_section, num_work, qk_scale_log2, scale, window_left,
-                                      window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready,
-                                      empty, zero_bar, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                      TOP_LEFT, PERSISTENT, o_smem, DELTA_FROM_O)),
+                                      group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
+                                      chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
+                                      HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, o_smem,
+                                      DELTA_FROM_O)),
             (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
-                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,
-                               o_desc, o_smem, DELTA_FROM_O)),
+                               row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs,
+                               v_bufs, q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES, o_desc, o_smem,
+                               DELTA_FROM_O)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4
         # warps. With DELTA_FROM_O the producer loads O too (a third TMA on q_bar) and the consumer reads it.
         gl.warp_specialize([
             (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                               heads_per_section, num_work, qk_scale_log2, scale, window_left, window_right,
-                               chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, zero_bar, 0,
-                               HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, PERSISTENT,
-                               CONSUMERS, o_smem, DELTA_FROM_O)),
+                               heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
+                               q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N,
+                               STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_smem, DELTA_FROM_O)),
             (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem,
-                               k_bufs, v_bufs, q_bar, q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT,
-                               o_desc, o_smem, DELTA_FROM_O)),
+                               row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs,
+                               v_bufs, q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES, o_desc, o_smem,
+                               DELTA_FROM_O)),
         ], [1], [PRODUCER_REGS])

@@ -23,13 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from packattn.ops.varlen.bwd_dkdv_sm90_load import ITEM_MASK
 from packattn.ops.varlen.common_sm90 import _load_kv_block
-from packattn.ops.varlen.fwd_sm90 import _opaque, _opaque_num_programs, _opaque_program_id, _work_item
-
-# persistent state word (`ITEM_MASK`): bit 30 the parity of the Q / dO tiles loaded (producer) / consumed
-# (consumers) so far, bit 31 (consumers) the parity of the tail steps so far
-Q_PHASE_BIT = gl.constexpr(1 << 30)
+from packattn.ops.varlen.fwd_sm90 import _opaque_program_id, _work_item
 
 
 @gluon.jit
@@ -56,70 +51,29 @@ def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, 
 
 # ---------------------------------------------------------------- producer
 @gluon.jit
-def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row, col):
-    """TMA the tile's Q and dO (rows ``row ...``, column ``col``) onto ``q_bar``."""
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [row, col], q_bar, do_smem)
-
-
-@gluon.jit
-def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, first, last, row0_kv, n_base, col_kv,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Ring steps ``first .. last-1`` (counted over the program's work items): K / V rows ``n_base + j *
-    BLOCK_N ...`` into slot ``j % STAGES`` once both consumers released step ``j - STAGES`` there."""
-    for j in range(first, last):
-        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_base, col_kv, last, STAGES, BLOCK_N)
-
-
-@gluon.jit
 def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                    num_heads_q, group_size, heads_per_section, num_work, q_smem, do_smem, k_bufs, v_bufs, q_bar,
-                    q_empty, ready, empty, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    PERSISTENT: gl.constexpr, o_desc=None, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
+                    num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, o_desc=None, o_smem=None,
+                    DELTA_FROM_O: gl.constexpr = False):
     """Load partition (one warp): Q and dO of the tile once (``q_bar``), then key block ``j`` into ring
     slot ``j % STAGES`` once the consumers (both, or the only one) released block ``j - STAGES`` there.
-    ``PERSISTENT`` (two consumers only): for each work item ``pid, pid + nprog, ...`` with blocks, its
-    first ``min(num_blocks, STAGES)`` blocks, then Q / dO once both consumers released the previous
-    item's on ``q_empty``, then the other blocks (ring steps and Q / dO loads counted over the items,
-    as the consumers count them). ``DELTA_FROM_O`` (not persistent): the tile's O rows
-    (``o_desc``) into ``o_smem`` with Q and dO, on ``q_bar`` (its expected bytes count the three)."""
-    if PERSISTENT:
-        step = 0  # ring steps issued so far
-        state = _opaque_program_id(num_work)  # work item | parity of the Q / dO loads issued so far (`ITEM_MASK`)
-        while (state & ITEM_MASK) < num_work:
-            seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-                _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, state & ITEM_MASK,
-                           num_heads_q, group_size, heads_per_section, _opaque(num_work), HEAD_DIM, BLOCK_N)
-            if num_blocks > 0:
-                n_base = n_lo - step * BLOCK_N  # ring step j holds keys n_base + j * BLOCK_N ...
-                split = step + gl.minimum(num_blocks, STAGES)
-                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, step, split, row0_kv, n_base, col_kv,
-                                BLOCK_N, STAGES)
-                mbarrier.wait(q_empty, ((state >> 30) & 1) ^ 1)  # both consumers are done with the previous Q / dO
-                _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, row0_q + q_start, head * HEAD_DIM)
-                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, ready, empty, split, step + num_blocks, row0_kv,
-                                n_base, col_kv, BLOCK_N, STAGES)
-                step += num_blocks
-                state = state ^ Q_PHASE_BIT
-            state += _opaque_num_programs(state)
-    else:
-        seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
-            _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
-                     heads_per_section, HEAD_DIM, BLOCK_N)
-        if num_blocks > 0:
-            if DELTA_FROM_O:  # O with Q and dO: one phase of q_bar, 3 x BLOCK_M x HEAD_DIM elements
-                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + o_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
-                tma.async_copy_global_to_shared(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
-            else:
-                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-                tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
-            for j in range(0, num_blocks):
-                mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
-                               BLOCK_N)
+    ``DELTA_FROM_O``: the tile's O rows (``o_desc``) into ``o_smem`` with Q and dO, on ``q_bar`` (its
+    expected bytes count the three). A tile without key blocks loads nothing."""
+    seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = \
+        _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 heads_per_section, HEAD_DIM, BLOCK_N)
+    if num_blocks > 0:
+        if DELTA_FROM_O:  # O with Q and dO: one phase of q_bar, 3 x BLOCK_M x HEAD_DIM elements
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + o_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            tma.async_copy_global_to_shared(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+        for j in range(0, num_blocks):
+            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                           BLOCK_N)

@@ -63,7 +63,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.common_sm90 import (_aligned_shift, _load_kv_block, _tile_row, _to_operand, _visible,
+from packattn.ops.varlen.common_sm90 import (_load_kv_block, _tile_row, _to_operand, _visible,
                                                _zero_v_tail, mma_layout, row_store_layout)
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -91,18 +91,6 @@ def _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size
         a_hi = gl.minimum(a_hi, chunk_start + chunk_size)
     a_hi = gl.where(offs_k < len_kv, a_hi, a_lo)  # keys past the sequence see no query
     return a_lo, a_hi
-
-
-@gluon.jit
-def _visible_t(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """`varlen_fwd_gluon._visible` transposed, ``(len(offs_k), len(offs_q))``, for tiles that hold keys
-    as rows: the same visibility (see `_aligned_range_of_keys`), computed per key."""
-    aligned = offs_q + _aligned_shift(len_q, len_kv, TOP_LEFT)
-    a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size,
-                                        HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
-    ok = (aligned[None, :] >= a_lo[:, None]) & (aligned[None, :] < a_hi[:, None])
-    return ok & (offs_q < len_q)[None, :]
 
 
 @gluon.jit
@@ -139,186 +127,6 @@ def _store_tile(acc, stage, base, first_row, end_row, stride_row, ROWS: gl.const
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     ptrs = base + rows.to(gl.int64)[:, None] * stride_row + cols[None, :]
     gl.store(ptrs, vals, mask=(rows < end_row)[:, None])
-
-
-# ---------------------------------------------------------------- dK / dV
-@gluon.jit
-def _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, it, total, num_m_blocks, row0_q, m_lo, first_col,
-                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """TMA the Q and dO rows of step ``it`` (query head ``it // num_m_blocks`` of the group, query
-    block ``it % num_m_blocks``) into ring slot ``it % STAGES``; skipped when ``it >= total``."""
-    slot = it % STAGES
-    pred = it < total
-    g = it // num_m_blocks
-    row = row0_q + m_lo + (it - g * num_m_blocks) * BLOCK_M
-    col = first_col + g * HEAD_DIM
-    bar = ready.index(slot)
-    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_bufs.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_bufs.index(slot), pred=pred)
-
-
-@gluon.jit
-def _probs_t(s_t, lse_log2, offs_k, m_start, m_mid_lo, m_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
-             window_right, chunk_size, BLOCK_M: gl.constexpr, s_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """``P^T = exp2(S^T c - lse log2e)`` of the query block at ``m_start``; blocks outside the fully
-    visible band ``[mid_lo, mid_hi)`` get the element mask (a uniform branch, so one loop serves both
-    kinds of block; the query positions are only materialised there)."""
-    p_t = gl.exp2(s_t * qk_scale_log2 - lse_log2[None, :])
-    if (m_start < m_mid_lo) | (m_start >= m_mid_hi):
-        offs_q = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        ok = _visible_t(offs_k, offs_q, len_q, len_kv, window_left, window_right, chunk_size,
-                        HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-        p_t = gl.where(ok, p_t, 0.0)
-    return p_t
-
-
-@gluon.jit
-def _dkdv_step(it, ds_prev, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta, stride_lse_head, row0_q,
-               first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv, qk_scale_log2,
-               window_left, window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-               WITH_PREV: gl.constexpr, num_warps: gl.constexpr):
-    """One (query head, query block) step of the dK/dV loop (module docstring). ``WITH_PREV``: also
-    issue the previous step's ``dK += dS^T Q`` (operand ``ds_prev``) under this step's work.
-    Returns ``(dk, dv, ds_t)`` with no wgmma in flight; ``ds_t`` is this step's dS^T as an A operand."""
-    slot = it % STAGES
-    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-    g = it // num_m_blocks
-    m_start = m_lo + (it - g * num_m_blocks) * BLOCK_M
-    q_buf = q_bufs.index(slot)
-    do_buf = do_bufs.index(slot)
-    if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
-        _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, num_warps)
-        _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, num_warps)
-
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if WITH_PREV:
-        dk_tok = warpgroup_mma(ds_prev, q_bufs.index((it + STAGES - 1) % STAGES), dk, is_async=True)
-    lse_log2 = _lse_log2(Lse, first_head + g, stride_lse_head, row0_q, m_start, len_q, BLOCK_M,
-                         gl.SliceLayout(0, s_layout))
-    if WITH_PREV:
-        s_t = warpgroup_mma_wait(2, deps=(s_tok, ))
-    else:
-        s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
-
-    p_t = _probs_t(s_t, lse_log2, offs_k, m_start, m_mid_lo, m_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
-                   window_right, chunk_size, BLOCK_M, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-    p_op = _to_operand(p_t, k_smem.dtype, o_layout)
-    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-    # loaded only now (its latency hides behind the dP^T wait): 16 fewer live registers during P^T
-    delta = _row_vector(Delta, first_head + g, stride_lse_head, row0_q, m_start, len_q, BLOCK_M,
-                        gl.SliceLayout(0, s_layout), 0.0)
-    if WITH_PREV:
-        dp_t, dk, ds_prev = warpgroup_mma_wait(1, deps=(dp_tok, dk_tok, ds_prev))
-    else:
-        dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
-
-    ds_t = _to_operand(p_t * (dp_t - delta[None, :]), k_smem.dtype, o_layout)
-    dv, p_op = warpgroup_mma_wait(0, deps=(dv_tok, p_op))
-    return dk, dv, ds_t
-
-
-@gluon.jit
-def _dkdv_loop(k_smem, v_smem, q_desc, do_desc, q_bufs, do_bufs, ready, dk, dv, Lse, Delta, stride_lse_head,
-               row0_q, first_head, total, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv,
-               qk_scale_log2, window_left, window_right, chunk_size, s_layout: gl.constexpr,
-               o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-               TOP_LEFT: gl.constexpr, num_warps: gl.constexpr):
-    """All ``total >= 1`` steps (query heads x query blocks) of one key tile, software-pipelined as
-    in the module docstring; the first ``min(STAGES, total)`` steps are already being loaded."""
-    dk, dv, ds_t = _dkdv_step(0, None, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta, stride_lse_head,
-                              row0_q, first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi, offs_k, len_q, len_kv,
-                              qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, num_warps)
-    for it in range(1, total):
-        dk, dv, ds_t = _dkdv_step(it, ds_t, dk, dv, k_smem, v_smem, q_bufs, do_bufs, ready, Lse, Delta,
-                                  stride_lse_head, row0_q, first_head, num_m_blocks, m_lo, m_mid_lo, m_mid_hi,
-                                  offs_k, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
-                                  s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT,
-                                  HAS_CHUNK, TOP_LEFT, True, num_warps)
-        # both warp groups are done with step it-1 (Q by dK[it-1], dO by dV[it-1]): refill its slot
-        gl.thread_barrier()
-        _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, it - 1 + STAGES, total, num_m_blocks, row0_q,
-                         m_lo, first_head * HEAD_DIM, STAGES, BLOCK_M, HEAD_DIM)
-    last_q = q_bufs.index((total - 1) % STAGES)
-    dk, ds_t = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds_t, last_q, dk, is_async=True), ds_t))
-    return dk, dv
-
-
-@gluon.jit
-def varlen_bwd_dkdv_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, tiles,
-    cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
-    num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """dK, dV of one (key tile, kv head); see the module docstring. Descriptors over the
-    ``(rows, heads * HEAD_DIM)`` views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``,
-    ``k_desc`` / ``v_desc`` blocks ``[BLOCK_N, HEAD_DIM]``. ``Lse`` / ``Delta``: float32
-    ``(heads_q, rows)`` with row stride 1. Tile rows ``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]``
-    (query ranges on the grid ``m_lo + i * BLOCK_M``). Keys no query sees get dK = dV = 0."""
-    gl.static_assert(BLOCK_N == 16 * num_warps, "one warp group per 64 keys (4 or 8 warps)")
-    gl.static_assert(STAGES >= 2, "step it-1+STAGES is loaded at the end of step it")
-    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_M)  # S^T, dP^T: (BLOCK_N keys, BLOCK_M queries)
-    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)  # dK, dV: (BLOCK_N, HEAD_DIM)
-
-    pid = gl.program_id(0)
-    tile = pid // num_heads_kv  # heads vary fastest: the longest tiles of every head start first
-    kv_head = pid % num_heads_kv
-    seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
-        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    if seq < 0:
-        return
-    num_m_blocks = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M
-    total = group_size * num_m_blocks  # steps: query heads of the group x query blocks
-    first_head = kv_head * group_size
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
-    if total > 0:
-        for i in gl.static_range(STAGES):
-            _load_q_do_block(q_desc, do_desc, q_bufs, do_bufs, ready, i, total, num_m_blocks, row0_q, m_lo,
-                             first_head * HEAD_DIM, STAGES, BLOCK_M, HEAD_DIM)
-        offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        mbarrier.wait(kv_bar, 0)
-        dk, dv = _dkdv_loop(k_smem, v_smem, q_desc, do_desc, q_bufs, do_bufs, ready, dk, dv, Lse, Delta,
-                            stride_lse_head, row0_q, first_head, total, num_m_blocks, m_lo, m_mid_lo, m_mid_hi,
-                            offs_k, len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout,
-                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                            num_warps)
-    else:
-        mbarrier.wait(kv_bar, 0)  # no query sees these keys: store zeros (the K/V load must land first)
-
-    row0_kv64 = row0_kv.to(gl.int64)
-    _store_tile(dv, v_smem, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, k_start,
-                len_kv, stride_dv_row, BLOCK_N, HEAD_DIM, num_warps)
-    _store_tile(dk * scale, k_smem, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head, k_start,
-                len_kv, stride_dk_row, BLOCK_N, HEAD_DIM, num_warps)
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
 
 
 # ---------------------------------------------------------------- dQ

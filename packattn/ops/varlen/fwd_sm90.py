@@ -32,13 +32,12 @@ skips the tile's last (diagonal) block: ~10% of the products of 512-token docume
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma,
+    mbarrier, tma, warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from packattn.ops.varlen.common_sm90 import (LN2, _aligned_shift, _issue_qk, _key_range, _load_kv_block,
-                                               _softmax_any, _store_out, _tile_row, _to_operand, _zero_v_tail,
-                                               mma_layout)
+                                               _softmax_any, _tile_row, _to_operand, _zero_v_tail, mma_layout)
 
 
 @gluon.jit
@@ -48,14 +47,6 @@ def _opaque_program_id(like):
     recomputes everything instead of keeping the first decode's values in registers across the main
     loop."""
     return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _opaque(x):
-    """``x`` (an i32 scalar) copied through inline asm that LLVM can neither merge with ``x`` nor hoist
-    out of a loop: what is computed from the copy is computed where it is used instead of being kept
-    in a register across the steps (the persistent loop's `_opaque_program_id`)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -102,7 +93,7 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q,
                  group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_AFTER: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
     the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
@@ -113,7 +104,7 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
             heads_per_section, num_work, HEAD_DIM, BLOCK_N)
         if seq >= 0:
-            first = gl.minimum(num_blocks, Q_AFTER)
+            first = gl.minimum(num_blocks, 1)
             for b in range(0, first):
                 mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
                 _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
@@ -139,24 +130,6 @@ def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, wg_bars, WG: gl.constexpr, NU
     if NUM_CONSUMERS > 1:
         mbarrier.arrive(wg_bars.index(0), count=1)
         mbarrier.wait(wg_bars.index(0), ntail & 1)
-
-
-@gluon.jit
-def _wait_turn(wg_bars, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong (FA3's warp-group scheduling): before issuing the wgmma of its turn ``turn``, consumer
-    ``WG`` waits until the other one has issued its own previous turn -- group 0's turn t after group
-    1's turn t - 1 (turn 0 at once: a fresh barrier's phase "-1" counts as complete), group 1's
-    turn t after group 0's turn t -- so the two groups' products reach the tensor cores alternately
-    and one group's softmax runs under the other's products."""
-    if PINGPONG:
-        mbarrier.wait(wg_bars.index(1 + WG), (turn & 1) ^ (1 - WG))
-
-
-@gluon.jit
-def _end_turn(wg_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """The group's wgmma of this turn are issued: the other group's turn may start."""
-    if PINGPONG:
-        mbarrier.arrive(wg_bars.index(2 - WG), count=1)
 
 
 @gluon.jit
@@ -200,12 +173,11 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
 
 
 @gluon.jit
-def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail, turn, m_i, l_i, acc,
+def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail, m_i, l_i, acc,
                offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-               EARLY_Q_RELEASE: gl.constexpr, PINGPONG: gl.constexpr):
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
     """`_attend` for one consumer warp group (64 rows), blocks ``base ...`` of the ring: same
     pipeline, but block j's slot is handed back to the producer through ``empty`` once PV[j] is
     done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done; with
@@ -220,13 +192,10 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                                       HAS_CHUNK, TOP_LEFT)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
-        _wait_turn(wg_bars, turn, WG, PINGPONG)
         s_tok = _issue_qk(q_wg, k_bufs, ready, base + j + 1, s_zero, STAGES)
         # blocks before the last never cross the sequence end: no V tail to zero here
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
-        _end_turn(wg_bars, WG, PINGPONG)
-        turn += 1
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
         p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi,
                                           len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
@@ -234,8 +203,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
         acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
         mbarrier.arrive(empty.index((base + j) % STAGES), count=1)  # this warp group is done with block j
         p_op = _to_operand(p, dtype, o_layout)
-    if EARLY_Q_RELEASE:
-        mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
+    mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
     v_buf = v_bufs.index((base + last) % STAGES)
     if n_lo + num_blocks * BLOCK_N > len_kv:  # only the last block can cross the sequence end
@@ -244,7 +212,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_buf, acc, is_async=True), ))
     mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
-    return acc, m_i, l_i, ntail, turn
+    return acc, m_i, l_i, ntail
 
 
 @gluon.jit
@@ -280,19 +248,11 @@ def _ws_tile_start(q_wg_start, s_layout: gl.constexpr, o_layout: gl.constexpr, B
 
 
 @gluon.jit
-def _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row,
-                 stride_o_head, stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 DIRECT_STORE: gl.constexpr):
-    """Store one consumer's 64 rows (those before ``len_q``): from registers with ``DIRECT_STORE`` (Q
-    was released already), else staged through the consumer's rows of Q's buffer, then release Q."""
-    if DIRECT_STORE:
-        _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-                          stride_lse_head, o_layout, 64, HEAD_DIM)
-    else:
-        _store_out(acc, m_i, l_i, q_wg, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-                   stride_lse_head, o_layout, 64, HEAD_DIM, 4)
-        fence_async_shared()  # generic writes to Q's buffer before the producer's next TMA into it
-        mbarrier.arrive(q_empty, count=1)
+def _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
+                 stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Store one consumer's 64 rows (those before ``len_q``) from registers (Q was released already)."""
+    _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
+                      stride_lse_head, o_layout, 64, HEAD_DIM)
 
 
 @gluon.jit
@@ -301,7 +261,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
                  WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                 TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr, TRIM: gl.constexpr):
+                 TOP_LEFT: gl.constexpr, TRIM: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring)."""
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -310,7 +270,6 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     block = 0
     loads_q = 0
     ntail = 0
-    turn = 0  # ping-pong turns taken so far (`_wait_turn`)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv = _work_item(
             tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
@@ -318,32 +277,32 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
         if seq >= 0:
             q_wg_start = q_start + WG * 64
             offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
-            mbarrier.wait(q_bar, loads_q & 1)  # also before staging the output in Q's buffer
+            mbarrier.wait(q_bar, loads_q & 1)
             if TRIM and num_blocks > 0:
                 b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
                                              chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv,
                                         ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
                 if b_hi > b_lo:
-                    acc, m_i, l_i, ntail, turn = _ws_attend(
-                        q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, turn, m_i, l_i,
+                    acc, m_i, l_i, ntail = _ws_attend(
+                        q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
-                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
-                elif DIRECT_STORE:
+                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
                                         len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
             elif num_blocks > 0:
-                acc, m_i, l_i, ntail, turn = _ws_attend(
-                    q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, turn, m_i, l_i, acc, offs_m,
+                acc, m_i, l_i, ntail = _ws_attend(
+                    q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES,
-                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG)
-            elif DIRECT_STORE:
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+            else:
                 mbarrier.arrive(q_empty, count=1)
-            _ws_epilogue(acc, m_i, l_i, q_wg, q_empty, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head,
-                         stride_o_row, stride_o_head, stride_lse_head, o_layout, HEAD_DIM, DIRECT_STORE)
+            _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
+                         stride_o_head, stride_lse_head, o_layout, HEAD_DIM)
             block += num_blocks
             loads_q += 1
 
@@ -354,14 +313,12 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty,
                         ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                        TOP_LEFT: gl.constexpr, DIRECT_STORE: gl.constexpr, PINGPONG: gl.constexpr,
-                        TRIM: gl.constexpr):
+                        TOP_LEFT: gl.constexpr, TRIM: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
-                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG,
-                 TRIM)
+                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)
 
 
 @gluon.jit
@@ -403,24 +360,20 @@ def varlen_fwd_gluon_ws_kernel(
     heads_per_section,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    DIRECT_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr, PINGPONG: gl.constexpr = False, TRIM: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TRIM: gl.constexpr = False,
 ):
-    """Warp-specialised `varlen_fwd_gluon_kernel` (see the comment above `_work_item`): launch with
-    ``num_warps = 4`` and ``maxnreg`` such that ``maxnreg * 32 * (4 * ceil((BLOCK_M // 16 + 1) / 4))``
-    registers fit the SM at the wanted occupancy; ``num_work = tiles.shape[0] * num_heads_q`` work
-    items are spread over the grid (a persistent grid when it is smaller)."""
+    """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
+    Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
+    `packattn.ops.runtime.sm90.ws_split`."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
-    Q_AFTER: gl.constexpr = 1 if DIRECT_STORE else STAGES
 
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
-    gl.static_assert((not PINGPONG) | (NUM_CONSUMERS == 2), "ping-pong needs two consumer warp groups")
-    gl.static_assert(not (PINGPONG and TRIM), "trimmed groups would take different numbers of ping-pong turns")
-    # between the consumer groups: [0] their V-tail meeting, [1 + w] group w's ping-pong turn (`_wait_turn`)
+    # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`). [1] and [2] are never waited on; they stay
+    # allocated and initialised so that the kernel compiles to the PTX it was measured with.
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     mbarrier.init(wg_bars.index(0), count=NUM_CONSUMERS)
     mbarrier.init(wg_bars.index(1), count=1)
@@ -432,15 +385,15 @@ def varlen_fwd_gluon_ws_kernel(
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
+                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -448,8 +401,8 @@ def varlen_fwd_gluon_ws_kernel(
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
                             q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, DIRECT_STORE, PINGPONG, TRIM)),
+                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
             (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                             num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES, Q_AFTER)),
+                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
         ], [1], [PRODUCER_REGS])
