@@ -64,8 +64,8 @@ def gluon_tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: t
         total, heads_q, heads_q // k.shape[1], scale * LOG2E, num_work,
         heads_per_section(heads_q, heads_q // k.shape[1])), dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        DIRECT_STORE=True, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        num_warps=4, maxnreg=res["maxnreg"]))
+        CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4,
+        maxnreg=res["maxnreg"]))
     return out, lse
 
 

@@ -92,8 +92,8 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
             heads_q, heads_q // heads_kv, scale * LOG2E, *mask_scalars(mask), num_work, section)
     fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, num_work, res, max_programs),), args, dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
-        DIRECT_STORE=True, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        PINGPONG=False, TRIM=cfg.trim, num_warps=4, maxnreg=res["maxnreg"]))
+        CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], TRIM=cfg.trim, num_warps=4,
+        maxnreg=res["maxnreg"]))
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
@@ -127,7 +127,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
             scale, *mask_scalars(mask), section, num_work)
     fast_launch.launch(varlen_bwd_dkdv_gluon_ws_kernel, (num_work,), args, dict(
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
-        TREE=tree, PERSISTENT=False, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         num_warps=4, maxnreg=res["maxnreg"]))
 
 
@@ -175,5 +175,5 @@ def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask:
     # o_desc: None without delta_from_o (a constant for Triton: no kernel parameter)
     o_desc = _descriptor(out, cfg.block_m) if delta_from_o else None
     fast_launch.launch(varlen_bwd_dq_gluon_ws_kernel, (num_work,), (*descs, o_desc, *rest, section, num_work),
-                       dict(blocks, PERSISTENT=False, DELTA_FROM_O=delta_from_o, CONSUMER_REGS=res["consumer_regs"],
+                       dict(blocks, DELTA_FROM_O=delta_from_o, CONSUMER_REGS=res["consumer_regs"],
                             PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
