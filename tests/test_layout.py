@@ -29,7 +29,7 @@ HISTORY = {
     "numbered session": re.compile(rf"\b({ORDINAL})\s+session\b|\bsession\s+\d+\b", re.I),
     "session": re.compile(r"\bsessions?\b", re.I),
     "date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
-    "not timed": re.compile(r"\bnot (yet )?(timed|measured)( yet)?\b|\bnot timed\b", re.I),
+    "not timed yet": re.compile(r"\bnot (yet )?timed\b|\bnot yet (measured|run)\b|\bnot (measured|run on a GPU) yet\b", re.I),
 }
 
 
