@@ -98,14 +98,14 @@ def test_launcher_arguments_follow_the_signature():
     assert entry[3] == (40, 5)
 
 
-def test_interpreter_and_switch_disable_fast_launches(monkeypatch):
+def test_interpreter_and_portable_disable_fast_launches(monkeypatch):
     monkeypatch.setattr(fast_launch, "_RELEASE_OFF", None)  # (a checked Triton release: tests/test_packaging.py)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not fast_launch.enabled()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("PACKATTN_FAST_LAUNCH", "0")
+    monkeypatch.setenv("PACKATTN_PORTABLE", "1")
     assert not fast_launch.enabled()
-    monkeypatch.delenv("PACKATTN_FAST_LAUNCH")
+    monkeypatch.delenv("PACKATTN_PORTABLE")
     assert fast_launch.enabled()
 
 

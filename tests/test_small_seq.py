@@ -174,7 +174,7 @@ def test_dense_layout_through_attention():
 
 def test_custom_ops_opcheck():
     seqs, q, k, v, dout = make_inputs([3, 0, 16], [1, 0, 1], heads=(2, 1), pad=2)
-    from packattn.backends.small_seq import item_table
+    from packattn.ops.small_seq.op import item_table
 
     args = (q.detach(), k.detach(), v.detach(), item_table(seqs), 0.3, True, True, 0)
     torch.library.opcheck(torch.ops.packattn.small_seq_fwd.default, args, test_utils=("test_schema", "test_faketensor"))

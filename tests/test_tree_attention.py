@@ -12,7 +12,7 @@ import torch
 
 import packattn
 from packattn import Tree
-from packattn.backends import triton_tree
+from packattn.ops.tree import tables as tree_tables
 from packattn.varlen import Varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,14 +128,18 @@ def test_sibling_order_does_not_change_per_sequence_results(backend):
 
 
 def test_tree_backward_refuses_a_dkdv_pass_changed_after_the_forward(monkeypatch):
-    """As for varlen: the tree's dK/dV key tiles were built for the forward's `dkdv_choice`."""
-    from packattn.backends import triton_varlen
+    """As for varlen: the tree's dK/dV key tiles were built for the forward's plan (`op.bwd_plan`)."""
+    import dataclasses
+
+    from packattn.ops.tree import op as tree_op
 
     tree = Tree.from_sequences(grpo(1, 2, 9, 5), device=DEVICE)
     q, k, v = inputs(tree)
     out = packattn.attention(q, k, v, tree, backend="triton_tree")
-    block_n, block_m, gluon = triton_varlen.dkdv_choice(q, k, v)
-    monkeypatch.setattr(triton_varlen, "dkdv_choice", lambda *a: (block_n, 2 * block_m, not gluon))
+    plan = tree_op.bwd_plan(q, k, v)
+    block_n, block_m, gluon = plan.dkdv_choice
+    changed = dataclasses.replace(plan, dkdv_choice=(block_n, 2 * block_m, not gluon))
+    monkeypatch.setattr(tree_op, "bwd_plan", lambda *a: changed)
     with pytest.raises(RuntimeError, match="changed between forward and backward"):
         torch.autograd.grad(out.sum(), (q, k, v))
 
@@ -182,7 +186,7 @@ def _visible_pairs(tree: Tree) -> torch.Tensor:
 def test_query_tile_intervals_cover_exactly_the_visible_blocks(case, blocks):
     tree = Tree.from_sequences(CASES[case](), device=DEVICE)
     bm, bn = blocks
-    tiles, intervals = triton_tree.build_query_tiles(tree.row_subtree_end().int(), tree.total, bm, bn)
+    tiles, intervals = tree_tables.build_query_tiles(tree.row_subtree_end().int(), tree.total, bm, bn)
     vis = _visible_pairs(tree)
     covered = torch.zeros(tree.total, tree.total, dtype=torch.bool)
     seen_tiles = set()
@@ -194,7 +198,7 @@ def test_query_tile_intervals_cover_exactly_the_visible_blocks(case, blocks):
                 continue
             assert lo % bn == 0 and hi % bn == 0 and lo < hi
             block = vis[q_start:q_end, lo:hi]
-            if kind == triton_tree.FULL:  # no element mask there: every pair must be visible
+            if kind == tree_tables.FULL:  # no element mask there: every pair must be visible
                 assert block.all() and hi <= tree.total
             covered[q_start:q_end, lo:min(hi, tree.total)] = True
     assert seen_tiles == set(range(0, tree.total, bm))
@@ -205,7 +209,7 @@ def test_query_tile_intervals_cover_exactly_the_visible_blocks(case, blocks):
 def test_key_tiles_cover_exactly_the_visible_queries(case):
     tree = Tree.from_sequences(CASES[case](), device=DEVICE)
     bn, step = 16, 8
-    table = triton_tree.build_key_tiles(tree.row_subtree_end().int(), tree.total, bn, step)
+    table = tree_tables.build_key_tiles(tree.row_subtree_end().int(), tree.total, bn, step)
     vis = _visible_pairs(tree)
     assert sorted(table[:, 1].tolist()) == list(range(0, tree.total, bn))
     for _, k_start, lo, mid_lo, mid_hi, hi in table.tolist():

@@ -17,7 +17,7 @@ import torch
 
 import packattn
 from packattn import mask as masks
-from packattn.backends import triton_varlen
+from packattn.ops.varlen import launch_triton
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 from triton_varlen_harness import DEVICE, SELF_MASKS, make_inputs, requires_triton
@@ -254,7 +254,7 @@ def test_zero_rows_zeroes_exactly_the_padding_rows(dtype, shape):
     keeps what it held, and the zeros are +0 in the output's dtype."""
     out = torch.full(shape, float("nan"), dtype=dtype)
     rows = torch.tensor([r for r in (0, 3, 4, 9) if r < shape[0]], dtype=torch.int64)
-    triton_varlen._zero_rows(out, rows)
+    launch_triton._zero_rows(out, rows)
     expect = torch.full(shape, float("nan"), dtype=dtype)
     expect[rows] = 0
     assert torch.equal(out.isnan(), expect.isnan())

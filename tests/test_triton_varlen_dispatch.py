@@ -11,6 +11,10 @@ import torch
 import packattn
 from packattn import dispatch
 from packattn.backends import triton_varlen
+from packattn.lengths import SHORT_SEQLEN
+from packattn.ops.runtime.launch import mask_options
+from packattn.ops.varlen import configs, op
+from packattn.ops.varlen.tiles import build_tile_table
 from packattn.mask import Mask
 from triton_varlen_harness import DEVICE, make_inputs, requires_triton
 
@@ -50,16 +54,16 @@ def test_cpu_auto_dispatch_skips_triton_but_explicit_request_runs_it():
 def test_custom_ops_opcheck():
     seqs, q, k, v, dout = make_inputs([9, 0, 20], [12, 3, 20], heads=(2, 1))
     mask = Mask.make(causal=True)
-    fwd, dkdv = (triton_varlen.launch_config(name, 32, q.dtype, q.device) for name in ("fwd", "dkdv"))
-    q_tiles = triton_varlen.build_tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
-    key_tiles = triton_varlen.build_tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
+    fwd, dkdv = (configs.launch_config(name, 32, q.dtype, q.device) for name in ("fwd", "dkdv"))
+    q_tiles = build_tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
+    key_tiles = build_tile_table(seqs, mask, True, dkdv.block_n, dkdv.block_m)
     tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, q_tiles, q_tiles, key_tiles]
-    args = (q, k, v, tables, None, None, 0.2, [-1, 0, 0, 0, 0, 0, 0, 0, 0])
+    args = (q, k, v, tables, None, None, 0.2, [*mask_options(mask), 0, 0, 0, 0, 0])
     torch.library.opcheck(torch.ops.packattn.varlen_fwd.default, args)
     out, lse = torch.ops.packattn.varlen_fwd(*args)
     torch.library.opcheck(torch.ops.packattn.varlen_bwd.default,
-                          (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *tables[:4],
-                           q_tiles, key_tiles, 0.2, -1, 0, 0, False, False, False),
+                          (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                           [*tables[:4], q_tiles, key_tiles], None, None, 0.2, [*mask_options(mask), 0, 0, 0]),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -129,45 +133,70 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     """No sequence longer than SHORT_SEQLEN: the forward op is told ``short_seqs`` (which picks the
     short-sequence Gluon forward and dQ configs on a GPU; the forward builds the dQ tile table for the
     config `dq_choice` names with ``short_seqs``)."""
-    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
-
     captured = {}
 
-    def fake_call(op, eager, q, k, v, tables, pad_q, pad_kv, scale, options):
-        captured.update(zip(triton_varlen.FWD_OPTIONS, options))
+    def fake_call(custom_op, eager, q, k, v, tables, pad_q, pad_kv, scale, options):
+        captured.update(zip(op.FWD_OPTIONS, options))
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
-    monkeypatch.setattr(triton_varlen.fast_op, "call", fake_call)
+    monkeypatch.setattr(op.fast_op, "call", fake_call)
     seqs, q, k, v, _ = make_inputs([length, 7])
     packattn.attention(q, k, v, seqs, backend="triton", causal=True)
     assert captured["short_seqs"] == short
-    assert triton_varlen.SHORT_SEQLEN == 512
-    short_dq, dq = triton_bwd_gluon.dq_config(128, True), triton_bwd_gluon.dq_config(128)
-    assert short_dq != dq and short_dq == triton_bwd_gluon.DQ_SHORT_CONFIGS[128]
+    assert SHORT_SEQLEN == 512
+    short_dq, dq = configs.dq_config(128, True), configs.dq_config(128)
+    assert short_dq != dq and short_dq == configs.DQ_SHORT_CONFIGS[128]
     # the 64 x 64 short forward only on the GPUs it was measured faster on (SHORT_CONFIG_GPUS)
-    monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: True)
-    assert triton_fwd_gluon.config_for(128, short_seqs=True) == triton_fwd_gluon.SHORT_CONFIGS[128]
-    assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
+    monkeypatch.setattr(configs, "_short_config_gpu", lambda index: True)
+    assert configs.config_for(128, short_seqs=True) == configs.SHORT_CONFIGS[128]
+    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]
     # elsewhere (the H100) 128-row tiles over 64-key blocks, trimmed; long batches keep CONFIGS
-    monkeypatch.setattr(triton_fwd_gluon, "_short_config_gpu", lambda index: False)
-    trimmed = triton_fwd_gluon.SHORT_TRIM_CONFIGS[128]
+    monkeypatch.setattr(configs, "_short_config_gpu", lambda index: False)
+    trimmed = configs.SHORT_TRIM_CONFIGS[128]
     assert trimmed.trim and (trimmed.block_m, trimmed.block_n) == (128, 64)
-    assert triton_fwd_gluon.config_for(128, short_seqs=True) == trimmed
-    assert triton_fwd_gluon.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == trimmed
-    assert triton_fwd_gluon.config_for(128) == triton_fwd_gluon.CONFIGS[128]
-    assert triton_fwd_gluon.config_for(64, short_seqs=True) == triton_fwd_gluon.CONFIGS[64]
+    assert configs.config_for(128, short_seqs=True) == trimmed
+    assert configs.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == trimmed
+    assert configs.config_for(128) == configs.CONFIGS[128]
+    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]
 
 
 def test_short_config_gpus_by_name(monkeypatch):
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
-
-    triton_fwd_gluon._short_config_gpu.cache_clear()
+    configs._short_config_gpu.cache_clear()
     names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: names[index])
     try:
-        assert triton_fwd_gluon._short_config_gpu(0) and not triton_fwd_gluon._short_config_gpu(1)
-        assert not triton_fwd_gluon._short_config_gpu(-1)  # no CUDA device
+        assert configs._short_config_gpu(0) and not configs._short_config_gpu(1)
+        assert not configs._short_config_gpu(-1)  # no CUDA device
     finally:
-        triton_fwd_gluon._short_config_gpu.cache_clear()
+        configs._short_config_gpu.cache_clear()
 
+
+
+def test_override_replaces_tables_and_restores_them():
+    """`configs.override`: forced configs and replaced thresholds while the block runs, the tables after it;
+    an unknown name or a config no kernel takes is refused (and leaves the tables as they were)."""
+    forced = configs.GluonConfig(64, 64, 3, 4)
+    before = (configs.config_for(128), configs.GLUON_MIN_SEQLEN, configs.heads_per_section(8, 1))
+    with configs.override(fwd=forced, GLUON_MIN_SEQLEN=512, HEAD_SECTION=4):
+        assert configs.config_for(128) == configs.config_for(64, long_seqs=True) == forced
+        assert configs.GLUON_MIN_SEQLEN == 512 and configs.heads_per_section(8, 1) == 4
+    assert (configs.config_for(128), configs.GLUON_MIN_SEQLEN, configs.heads_per_section(8, 1)) == before
+    with configs.override(dq=configs.GluonBwdConfig(64, 64, 2, 4, True), DKDV_CONFIGS={}):
+        assert configs.dq_config(128) == configs.GluonBwdConfig(64, 64, 2, 4, True)
+        assert configs.dkdv_config(128) is None
+    assert configs.dkdv_config(128) == configs.DKDV_CONFIGS[128]
+    with pytest.raises(ValueError, match="no table or threshold"):
+        with configs.override(GLUON_MIN_SEQ=1):
+            pass
+    with pytest.raises(ValueError, match="dK/dV kernel"):
+        with configs.override(dkdv=configs.GluonBwdConfig(64, 96, 2, 4, True)):
+            pass
+    assert configs.FORCE_DKDV is None
+
+
+def test_no_gluon_dkdv_at_head_dim_64():
+    """At d = 64 the Triton dK/dV pass runs (no Gluon dK/dV there, whatever the GQA group); the Gluon dQ is the
+    non-specialised kernel."""
+    assert configs.dkdv_config(64) is None and configs.dkdv_config(64, group=8) is None
+    assert configs.dkdv_config(128, group=8) == configs.DKDV_GQA_CONFIGS[128]
+    assert not configs.dq_config(64).warp_specialize and not configs.dq_computes_delta(configs.dq_config(64))

@@ -49,7 +49,7 @@ def test_tree_forward_equals_varlen_kernel_on_expanded_sequences(workload, kerne
     # "default": what each backend runs by default (on sm_90 the Gluon tree forward and the Gluon varlen
     # forward, same tiles and schedule but not the same key blocks: the tree skips invisible ones)
     if kernels == "triton":
-        monkeypatch.setenv("PACKATTN_TRITON_FWD", "triton")
+        monkeypatch.setenv("PACKATTN_PORTABLE", "1")
     tree, q, k, v = workload.make_inputs("cuda", torch.bfloat16, requires_grad=False)
     out_tree = tree.gather(packattn.attention(q, k, v, tree, backend="triton_tree"))
     expanded = [tree.gather(x) for x in (q, k, v)]
@@ -98,8 +98,8 @@ def test_tree_auto_dispatch_on_cuda():
 
 # ---------------------------------------------------------------- Gluon tree backward (Hopper, d = 128)
 # The tree backward runs the warp-specialised Gluon dK/dV (`varlen_bwd_gluon_ws`, TREE=True) and dQ
-# (`tree_dq_gluon_ws`) where `triton_varlen.use_gluon_dkdv` / `triton_tree_gluon_dq.use_gluon_tree_dq`
-# say so (sm_90, bf16/fp16, head dim 128), the Triton passes with PACKATTN_TRITON_BWD=triton. Small
+# (`tree_dq_gluon_ws`) where the varlen plan / `packattn.ops.tree.configs.tree_dq_config` say so (sm_90,
+# bf16/fp16, head dim 128), the Triton passes with PACKATTN_PORTABLE=1. Small
 # trees with the awkward shapes: 1-token nodes, depth-32 chains, fan-out 64, nodes straddling 128-row
 # tiles, totals that are no multiple of 64 or 128.
 def _chain(node_lengths) -> list[list[int]]:
@@ -168,10 +168,10 @@ def _tree_grads(q, k, v, dout, dlse, tree, backend="triton_tree"):
 
 def _gluon_tree_kernels(q, k, v) -> dict:
     """Which Gluon kernels the tree backward runs on these tensors."""
-    from packattn.ops.tree.launch_sm90_dq import use_gluon_tree_dq
-    from packattn.backends.triton_varlen import use_gluon_dkdv
+    from packattn.ops.tree.configs import tree_dq_config
+    from packattn.ops.varlen.op import bwd_plan
 
-    return {"dkdv": use_gluon_dkdv(q, k, v), "dq": use_gluon_tree_dq(q, k, v)}
+    return {"dkdv": bwd_plan(q, k, v).dkdv is not None, "dq": tree_dq_config(q, k, v) is not None}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -180,11 +180,11 @@ def _gluon_tree_kernels(q, k, v) -> dict:
 def test_gluon_tree_backward_matches_triton_and_reference(name, heads, dtype, monkeypatch):
     tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
     q, k, v, dout, dlse = _tree_inputs(tree, *heads, dtype)
-    monkeypatch.delenv("PACKATTN_TRITON_BWD", raising=False)
+    monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
     if not any(_gluon_tree_kernels(q, k, v).values()):  # (on sm_90 at d = 128 both run)
         pytest.skip(f"the Gluon tree backward does not run here: {_gluon_tree_kernels(q, k, v)}")
     gluon = _tree_grads(q, k, v, dout, dlse, tree)
-    monkeypatch.setenv("PACKATTN_TRITON_BWD", "triton")  # before the forward: it builds the tables
+    monkeypatch.setenv("PACKATTN_PORTABLE", "1")  # before the forward: it builds the tables
     assert not any(_gluon_tree_kernels(q, k, v).values())
     triton_grads = _tree_grads(q, k, v, dout, dlse, tree)
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
@@ -197,8 +197,7 @@ def test_gluon_tree_backward_matches_triton_and_reference(name, heads, dtype, mo
 
 
 # ---------------------------------------------------------------- Gluon tree forward (Hopper, d = 64 / 128)
-# `triton_tree_gluon.gluon_tree_fwd` (the warp-specialised `tree_fwd_gluon.tree_fwd_gluon_kernel`) against
-# the Triton tree forward (PACKATTN_TRITON_FWD=triton) and the float32 reference backend, on NASTY_TREES and
+# `packattn.ops.tree.launch_sm90.gluon_tree_fwd` against the Triton tree forward (PACKATTN_PORTABLE=1) and the float32 reference backend, on NASTY_TREES and
 # W6. Both kernels round P to 16 bits before the PV product, in different block orders: out within 2e-2
 # absolute and lse within 1e-3 of the Triton forward (as benchmarks/ab_gluon_fwd.py for varlen), and
 # relative L2 < 1e-2 (out) / 1e-3 absolute (lse) against the reference.
@@ -214,26 +213,27 @@ def _fwd_inputs(tree, heads_q: int, heads_kv: int, head_dim: int, dtype, seed: i
 
 def _gluon_tree_forward(q, k, v, tree, config=None, max_programs=None):
     """``(out, lse)`` of `gluon_tree_fwd`, tables built with its block sizes (``config``'s when given)."""
-    from packattn.backends.triton_tree import build_query_tiles
-    from packattn.ops.tree.launch_sm90_fwd import gluon_tree_fwd, tree_fwd_blocks
+    from packattn.ops.tree.configs import tree_fwd_config
+    from packattn.ops.tree.launch_sm90 import gluon_tree_fwd
+    from packattn.ops.tree.tables import build_query_tiles
 
-    block_m, block_n = (config.block_m, config.block_n) if config else tree_fwd_blocks(q.shape[-1])
+    config = config or tree_fwd_config(q, k, v)
     key_end = tree.row_subtree_end().to(torch.int32).contiguous()
-    tiles, intervals = build_query_tiles(key_end, tree.total, block_m, block_n)
-    return gluon_tree_fwd(q, k, v, key_end, tiles, intervals, q.shape[-1] ** -0.5, config=config,
+    tiles, intervals = build_query_tiles(key_end, tree.total, config.block_m, config.block_n)
+    return gluon_tree_fwd(q, k, v, key_end, tiles, intervals, q.shape[-1] ** -0.5, config,
                           max_programs=max_programs)
 
 
 def _check_gluon_tree_forward(q, k, v, tree, monkeypatch, **launch) -> dict:
     """`_gluon_tree_forward` vs the Triton tree forward and the float32 reference (skips off sm_90)."""
-    from packattn.ops.tree.launch_sm90_fwd import use_gluon_tree_fwd
+    from packattn.ops.tree.configs import tree_fwd_config
 
-    monkeypatch.delenv("PACKATTN_TRITON_FWD", raising=False)
-    if not use_gluon_tree_fwd(q, k, v):
+    monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
+    if tree_fwd_config(q, k, v) is None:
         pytest.skip("the Gluon tree forward runs on sm_90 (H100 / H200) only")
     out, lse = _gluon_tree_forward(q, k, v, tree, **launch)
-    monkeypatch.setenv("PACKATTN_TRITON_FWD", "triton")
-    assert not use_gluon_tree_fwd(q, k, v)
+    monkeypatch.setenv("PACKATTN_PORTABLE", "1")
+    assert tree_fwd_config(q, k, v) is None
     triton_out, triton_lse = packattn.attention(q, k, v, tree, backend="triton_tree", return_lse=True)
     ref_out, ref_lse = packattn.attention(q.float(), k.float(), v.float(), tree, backend="reference",
                                           return_lse=True)
@@ -265,33 +265,33 @@ def test_gluon_tree_forward_w6(dtype, monkeypatch):
     print(f"\nW6 {dtype}: {errors}")
 
 
-# other configurations: one consumer warp group with 64-key blocks (twice the intervals / blocks), the
-# non-persistent grid with the output staged through Q's buffer, and a persistent grid of 3 programs
-# (many work items per program: ring and Q barrier phases carried across work items)
-@pytest.mark.parametrize("config, max_programs", [("64,64,3,4,ws,persistent,direct", None), ("128,128,3,8,ws", None),
-                                                  ("128,128,3,8,ws,persistent,direct", 3),
-                                                  ("128,64,4,8,ws,persistent,direct", 5)])
+# other configurations: one consumer warp group with 64-key blocks (twice the intervals / blocks), and
+# persistent grids of 3 / 5 programs (many work items per program: ring and Q barrier phases carried across)
+@pytest.mark.parametrize("config, max_programs", [((64, 64, 3, 4), None), ((128, 128, 3, 8), 3), ((128, 64, 4, 8), 5)])
 @pytest.mark.parametrize("name", ["grpo_straddling_tiles", "random_sharing", "chain_of_1_token_nodes"])
 def test_gluon_tree_forward_configurations(name, config, max_programs, monkeypatch):
-    from packattn.ops.varlen.launch_sm90_fwd import parse_config
+    from packattn.ops.varlen.configs import GluonConfig
 
     tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
     q, k, v = _fwd_inputs(tree, 4, 2, 128, torch.bfloat16, seed=1)
-    _check_gluon_tree_forward(q, k, v, tree, monkeypatch, config=parse_config(config), max_programs=max_programs)
+    _check_gluon_tree_forward(q, k, v, tree, monkeypatch, config=GluonConfig(*config), max_programs=max_programs)
 
 
-def test_gluon_tree_forward_env_config(monkeypatch):
-    from packattn.ops.tree.launch_sm90_fwd import ENV_TREE_CONFIG, tree_fwd_blocks
+def test_gluon_tree_forward_override(monkeypatch):
+    from packattn.ops.tree import configs as tree_configs
+    from packattn.ops.varlen.configs import GluonConfig
 
-    monkeypatch.setenv(ENV_TREE_CONFIG, "128,64,4,8,ws,persistent,direct")
-    assert tree_fwd_blocks(128) == (128, 64)
     tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
-    _check_gluon_tree_forward(*_fwd_inputs(tree, 2, 2, 64, torch.float16), tree, monkeypatch)
+    q, k, v = _fwd_inputs(tree, 2, 2, 64, torch.float16)
+    with tree_configs.override(TREE_FWD_CONFIGS={64: GluonConfig(128, 64, 4, 8)}):
+        if tree_configs.tree_fwd_config(q, k, v) is not None:
+            assert tree_configs.fwd_blocks(q, k, v) == (128, 64)
+        _check_gluon_tree_forward(q, k, v, tree, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["fan_out_64_short_leaves", "random_sharing"])
 def test_gluon_tree_backward_is_bitwise_deterministic(name, monkeypatch):
-    monkeypatch.delenv("PACKATTN_TRITON_BWD", raising=False)
+    monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
     tree = packattn.Tree.from_sequences(NASTY_TREES[name](), device="cuda")
     q, k, v, dout, dlse = _tree_inputs(tree, 4, 2, torch.bfloat16)
     if not any(_gluon_tree_kernels(q, k, v).values()):  # (on sm_90 at d = 128 both run)
@@ -302,27 +302,31 @@ def test_gluon_tree_backward_is_bitwise_deterministic(name, monkeypatch):
 
 def test_gluon_tree_dq_matches_triton_tree_dq_on_the_same_tables():
     """The dQ kernels alone (same lse, delta and tables), so a dQ difference is not hidden by the rest."""
-    from packattn.backends import triton_tree
-    from packattn.ops.tree.launch_sm90_dq import gluon_tree_dq, use_gluon_tree_dq
-    from packattn.backends.triton_varlen import _launch, _precision, block_d, bwd_delta, launch_config
+    from packattn.ops.runtime.launch import LOG2E, _launch, _precision, block_d
+    from packattn.ops.tree.configs import tree_dq_config
     from packattn.ops.tree.kernels_triton import tree_dq_kernel
+    from packattn.ops.tree.launch_sm90 import gluon_tree_dq
+    from packattn.ops.tree.tables import tree_tables
+    from packattn.ops.varlen.configs import launch_config
+    from packattn.ops.varlen.launch_triton import bwd_delta
 
     tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
     q, k, v, dout, _ = _tree_inputs(tree, 4, 1, torch.bfloat16)
     q, k, v = (x.detach() for x in (q, k, v))
-    if not use_gluon_tree_dq(q, k, v):
+    cfg = tree_dq_config(q, k, v)
+    if cfg is None:
         pytest.skip("the Gluon tree dQ does not run here")
     scale = 128 ** -0.5
     out, lse = packattn.attention(q, k, v, tree, backend="triton_tree", return_lse=True, scale=scale)
     delta = bwd_delta(out, dout, lse, None)
-    key_end, _, _, dq_tiles, dq_intervals, _, _ = triton_tree.tree_tables(tree, q, k, v, True)
+    key_end, _, _, dq_tiles, dq_intervals, _, _ = tree_tables(tree, q, k, v, True)
     gluon = torch.empty_like(q)
-    gluon_tree_dq(q, k, v, dout, lse, delta, gluon, dq_tiles, dq_intervals, key_end, scale)
+    gluon_tree_dq(q, k, v, dout, lse, delta, gluon, dq_tiles, dq_intervals, key_end, scale, cfg)
     expected = torch.empty_like(q)
     config = launch_config("dq", 128, q.dtype, q.device)
     args = (q, k, v, dout, lse, delta, expected, dq_tiles, dq_intervals, key_end, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), expected.stride(0),
-            expected.stride(1), lse.stride(0), tree.total, 4, 4, scale * 1.4426950408889634, scale)
+            expected.stride(1), lse.stride(0), tree.total, 4, 4, scale * LOG2E, scale)
     _launch(tree_dq_kernel, (dq_tiles.shape[0] * 4,), args,
             dict(HEAD_DIM=128, BLOCK_D=block_d(128), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  INPUT_PRECISION=_precision(q.dtype)), config)

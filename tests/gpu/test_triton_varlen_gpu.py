@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import packattn
-from packattn.backends import triton_varlen
+from packattn.lengths import SHORT_SEQLEN
+from packattn.ops.varlen import configs, op
 from packattn.bench.workloads import doc_lengths
 from packattn.varlen import Varlen
 
@@ -99,7 +100,7 @@ def test_w4_chunked_one_document():
 def test_w8_short_documents(lengths):
     """Batches with no sequence longer than SHORT_SEQLEN (512) take the short-sequence forward and dQ configs."""
     seqs = Varlen.from_lengths(lengths, device="cuda")
-    assert seqs.max_seqlen_q <= triton_varlen.SHORT_SEQLEN
+    assert seqs.max_seqlen_q <= SHORT_SEQLEN
     check_against_reference(*inputs(seqs, 16, 16), seqs, causal=True)
     q, k, v, dout = inputs(seqs, 16, 4)
     check_against_reference(q, k, v, dout, seqs, causal="top_left", window=(100, 0))
@@ -109,14 +110,14 @@ def test_w8_short_documents(lengths):
                                   {}], ids=["causal", "top_left_window", "chunk", "full"])
 def test_short_batch_fused_delta(monkeypatch, opts):
     """Short padded cross batches (queries that see no key included) take the fused backward (the dQ pass
-    computes delta, `triton_varlen.fuses_delta`): against the reference, and close to the unfused backward."""
+    computes delta, `op.fuses_delta`): against the reference, and close to the unfused backward."""
     seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37], [200, 5, 40, 64, 1, 500, 300, 0],
                                pad_to_multiple=16, device="cuda")
-    assert seqs.max_seqlen_q <= triton_varlen.SHORT_SEQLEN
+    assert seqs.max_seqlen_q <= SHORT_SEQLEN
     q, k, v, dout = inputs(seqs, 16, 4)
-    assert triton_varlen.fuses_delta(triton_varlen.bwd_plan(q, k, v, short_seqs=True), None)
+    assert op.fuses_delta(op.bwd_plan(q, k, v, short_seqs=True), None)
     fused = check_against_reference(q, k, v, dout, seqs, **opts)
-    monkeypatch.setattr(triton_varlen, "fuses_delta", lambda plan, dlse: False)
+    monkeypatch.setattr(op, "fuses_delta", lambda plan, dlse: False)
     unfused = forward_backward(q, k, v, dout, seqs, "triton", **opts)
     for name, a, b in zip(("dq", "dk", "dv"), fused[2:], unfused[2:]):
         assert rel_l2(a, b) < 5e-3, name
@@ -126,20 +127,15 @@ def test_short_batch_fused_delta(monkeypatch, opts):
                                   {}], ids=["causal", "top_left_window", "chunk", "full"])
 def test_long_batch_fused_delta_two_consumers(monkeypatch, opts):
     """The two-consumer WS dQ of long batches computes delta (no preprocess): against the reference, and close to
-    the unfused backward (``$PACKATTN_GLUON_FUSED_DELTA=0``), on padded cross batches with queries that see no
-    key, GQA."""
-    from packattn.ops.varlen import launch_sm90_bwd as triton_bwd_gluon
-
+    the unfused backward, on padded cross batches with queries that see no key, GQA."""
     seqs = Varlen.from_lengths([1000, 1, 0, 517, 2048, 37, 300], [900, 5, 40, 517, 2000, 0, 301],
                                pad_to_multiple=16, device="cuda")
     q, k, v, dout = inputs(seqs, 16, 4)
-    plan = triton_varlen.bwd_plan(q, k, v, short_seqs=False)
-    assert not triton_bwd_gluon.one_consumer_dq(plan.dq)  # the two-consumer config
-    monkeypatch.delenv(triton_bwd_gluon.ENV_FUSED_DELTA, raising=False)
-    assert triton_varlen.fuses_delta(plan, None)
+    plan = op.bwd_plan(q, k, v, short_seqs=False)
+    assert plan.dq.block_m == 128  # the two-consumer config
+    assert op.fuses_delta(plan, None)
     fused = check_against_reference(q, k, v, dout, seqs, **opts)
-    monkeypatch.setenv(triton_bwd_gluon.ENV_FUSED_DELTA, "0")
-    assert not triton_varlen.fuses_delta(plan, None)
+    monkeypatch.setattr(op, "fuses_delta", lambda plan, dlse: False)
     unfused = forward_backward(q, k, v, dout, seqs, "triton", **opts)
     for name, a, b in zip(("dq", "dk", "dv"), fused[2:], unfused[2:]):
         assert rel_l2(a, b) < 5e-3, name
@@ -152,15 +148,13 @@ def test_trimmed_forward_is_bitwise_the_untrimmed_one(monkeypatch, opts):
     """The ``trim`` forward (each consumer warp group skips the key blocks none of its rows sees,
     `varlen_fwd_gluon_ws`) gives bitwise the output and lse of the same config without it, on padded cross
     batches with empty, length-1 and tail blocks; both against the reference."""
-    from packattn.ops.varlen import launch_sm90_fwd as triton_fwd_gluon
-
     seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37, 1000], [200, 5, 40, 64, 1, 500, 300, 0, 1100],
                                pad_to_multiple=16, device="cuda")
     q, k, v, dout = inputs(seqs, 16, 4)
     results = []
-    for flags in ("", ",trim"):
-        monkeypatch.setenv(triton_fwd_gluon.ENV_CONFIG, "128,64,5,8,ws,persistent,direct" + flags)
-        results.append(check_against_reference(q, k, v, dout, seqs, **opts))
+    for trim in (False, True):
+        with configs.override(fwd=configs.GluonConfig(128, 64, 5, 8, trim=trim)):
+            results.append(check_against_reference(q, k, v, dout, seqs, **opts))
     for name, a, b in zip(("out", "lse"), results[0][:2], results[1][:2]):
         assert torch.equal(a, b), name
 
@@ -205,8 +199,9 @@ def test_fast_launches_equal_triton_launches(monkeypatch, lengths):
     seqs = Varlen.from_lengths(lengths, device="cuda")
     q, k, v, dout = inputs(seqs, 8, 2)
     runs = {}
+    fast = fast_launch.enabled
     for mode in ("0", "1"):
-        monkeypatch.setenv("PACKATTN_FAST_LAUNCH", mode)
+        monkeypatch.setattr(fast_launch, "enabled", fast if mode == "1" else lambda: False)
         runs[mode] = [forward_backward(q, k, v, dout, seqs, "triton", causal=True) for _ in range(3)]
     assert fast_launch._caches, "no launch went through the fast path's cache"
     for got in runs["1"]:
@@ -216,7 +211,7 @@ def test_fast_launches_equal_triton_launches(monkeypatch, lengths):
     shifted = [torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x) for x in (q, k, v)]
     shifted = [x.detach().requires_grad_() for x in shifted]
     for mode in ("0", "1"):
-        monkeypatch.setenv("PACKATTN_FAST_LAUNCH", mode)
+        monkeypatch.setattr(fast_launch, "enabled", fast if mode == "1" else lambda: False)
         runs[mode] = forward_backward(*shifted, dout, seqs, "triton", causal=True)
     for a, b in zip(runs["1"], runs["0"]):
         assert torch.equal(a, b)
