@@ -1,38 +1,27 @@
-"""Compile the Gluon Hopper backward (`packattn.ops.varlen.bwd_sm90`) for sm_90a on a machine
-without a GPU, for every mask combination, head dim and dtype, and check what matters before a GPU run:
+"""Compile the Gluon Hopper backward kernels (`packattn.ops.varlen.bwd_dkdv_sm90`, `bwd_dq_sm90`, `bwd_sm90`,
+`packattn.ops.tree.dq_sm90`) for sm_90a on a machine without a GPU, for every mask combination, head dim and
+dtype, and check what matters before a GPU run:
 
 * shared memory (at most the 227 KB one CTA may use on an H100/H200) and ptxas registers / spills;
 * ptxas warnings (a "wgmma ... serialized" warning, e.g. C7514, means the async overlap is gone);
 * proof of the overlap: inside the main loop the PTX waits with ``wgmma.wait_group.sync.aligned 2``
   and ``... 1`` (and the TTGIR has ``warp_group_dot_wait {pendings = 2}`` / ``{pendings = 1}``) in a
-  loop that also holds the ``ex2`` of P: wgmma's stay in flight while the warp group computes P
-  and dS (module docstring of the kernels for the schedule).
+  loop that also holds the ``ex2`` of P (only the ``1`` waits where the kernel does not carry dS across
+  steps);
+* for the warp-specialised kernels, the setmaxnreg budget of each partition against the registers its SASS
+  touches, and the launcher's CTAs per SM against what the compiled shared memory allows.
 
     python scripts/check_gluon_bwd_compile.py [--kernels dkdv dq] [--head-dims 64 128] [--dtypes bf16 fp16]
-    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,64,3,4 --masks R   # another config
-    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,4,8,ws         # warp-specialised
-    python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8,ws           # warp-specialised dQ
-    python scripts/check_gluon_bwd_compile.py --kernels dq dkdv --persistent   # persistent WS dQ and dK/dV
-    python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                     # ttgir / ptx files
-    python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: WS dK/dV (TREE) and tree dQ
-    python scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o   # one-consumer WS dQ, DELTA_FROM_O
+    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,2,8,ws --masks R   # another config
+    python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8           # the non-ws dQ kernel
+    python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                  # ttgir / ptx files
+    python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: ws dK/dV (TREE) and tree dQ
+    python scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o   # ws dQ with DELTA_FROM_O
 
-``--tree`` compiles the tree variants (`packattn.backends.triton_tree`) instead of the mask
-combinations: the warp-specialised dK/dV kernel with ``TREE=True`` and the tree dQ kernel
-(`packattn.ops.tree.dq_sm90`). They need a warp-specialised config (the launchers' at
-d = 128); other configs are reported as skipped.
-
-``--persistent`` (or a ``--config`` ending in ``,ws,persistent``, the launchers' config strings)
-compiles the warp-specialised dQ and dK/dV kernels with ``PERSISTENT``; variants whose config is not
-warp-specialised (the launchers' at d = 64) and the tree dQ (no persistent mode) are reported as
-skipped, e.g. ``--kernels dq --config 128,64,4,8,ws,persistent`` for both head dims.
-
-``--delta-from-o`` compiles the one-consumer warp-specialised dQ kernel with ``DELTA_FROM_O`` (it computes
-delta = rowsum(dO O) from an O tile loaded with Q / dO and writes it; `varlen_bwd_gluon_dq_ws`): the
-short-sequence config (`triton_bwd_gluon.DQ_SHORT_CONFIGS`, d = 128) unless ``--config`` names another
-one-consumer config (``64,64,2,4,ws``, ``64,64,3,4,ws``, ... at d = 64); other variants are reported as
-skipped. For every warp-specialised variant the line gives the launcher's ``ctas_per_sm`` (from its
-shared-memory estimate) and flags a compiled size that fits fewer CTAs per SM.
+The configurations are those of `packattn.ops.varlen.configs` (`dkdv_config`, `dq_config`; ``--short``: the
+short-batch dQ; the tree dQ: `packattn.ops.tree.configs.TREE_DQ_CONFIGS`) unless ``--config``
+(``block_m,block_n,stages,num_warps[,ws]``). Variants without a Gluon kernel (dK/dV at d = 64, where the Triton
+pass runs; the tree and DELTA_FROM_O variants of a config that is not warp-specialised) are reported as skipped.
 """
 
 from __future__ import annotations
@@ -54,13 +43,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.backends import triton_bwd_gluon as tb  # noqa: E402
-from packattn.ops.tree.launch_sm90_dq import tree_dq_ws_resources  # noqa: E402
-from packattn.ops.varlen.launch_sm90_fwd import smem_layout  # noqa: E402
-from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dkdv_gluon_kernel, varlen_bwd_dq_gluon_kernel  # noqa: E402
-from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
+from packattn.ops.runtime.sm90 import HEAD_DIMS, _smem_layout, ws_split  # noqa: E402
+from packattn.ops.tree.configs import TREE_DQ_CONFIGS  # noqa: E402
 from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel  # noqa: E402
+from packattn.ops.tree.launch_sm90 import tree_dq_resources  # noqa: E402
+from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.bwd_dkdv_sm90 import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
+from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
+from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dq_gluon_kernel  # noqa: E402
+from packattn.ops.varlen.configs import GluonBwdConfig  # noqa: E402
+from packattn.ops.varlen.launch_sm90 import dkdv_resources, dq_resources  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_gluon_compile import sass_register_regions  # noqa: E402
@@ -69,8 +61,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 # L(eft window) R(ight window / causal) C(hunk) T(op-left); "" = no mask
 MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
-KERNELS = {"dkdv": (varlen_bwd_dkdv_gluon_kernel, tb.dkdv_config),
-           "dq": (varlen_bwd_dq_gluon_kernel, tb.dq_config)}
+KERNELS = ("dkdv", "dq")
 INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "KeyEnd", "intervals")
 # a real launch gives these tt.divisibility = 16: 16-byte aligned tensors, (rows, heads, d) contiguous
 # strides (multiples of d), lse / delta rows a multiple of 16 (true of the workloads, not of every batch)
@@ -82,7 +73,7 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
     """The signature string the JIT gives a host `TensorDescriptor` with this block (the launcher's layout)."""
     dummy = torch.empty(256, 2048, dtype=dtype)  # CPU tensor: only its dtype / alignment matter
     return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), block,
-                                        smem_layout(block, dtype)))
+                                        _smem_layout(tuple(block), dtype)))
 
 
 def ptxas_report(ptx: str) -> tuple[str, list[str]]:
@@ -116,48 +107,55 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[-1500:]}"
 
 
-def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from_o: bool = False) -> dict:
-    """The launcher's register split / occupancy (`triton_fwd_gluon.ws_split` of its shared-memory estimate)
-    for a warp-specialised variant."""
+def parse_config(text: str) -> GluonBwdConfig:
+    """``"block_m,block_n,stages,num_warps[,ws]"`` as a `GluonBwdConfig`."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if len(parts) not in (4, 5) or parts[4:] not in ([], ["ws"]):
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws]")
+    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) == 5)
+
+
+def default_config(kernel: str, head_dim: int, tree: bool = False, short: bool = False) -> GluonBwdConfig | None:
+    """The launchers' configuration of ``kernel`` at ``head_dim`` (None: no Gluon kernel runs there)."""
     if kernel == "dkdv":
-        return tb.dkdv_ws_resources(cfg, head_dim)
+        return configs.dkdv_config(head_dim)
     if tree:
-        return tree_dq_ws_resources(cfg, head_dim)
-    return tb.dq_ws_resources(cfg, head_dim, delta_from_o)
+        return TREE_DQ_CONFIGS.get(head_dim)
+    return configs.dq_config(head_dim, short_seqs=short)
 
 
-def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=None, tree: bool = False,
-                    persistent: bool = False, delta_from_o: bool = False):
-    """``triton.compile`` of one kernel variant (the launcher's configuration unless ``cfg``); ``tree``:
-    the tree-mask variant (warp-specialised configs only; ``mask`` must be ""); ``persistent``: the
-    warp-specialised dK/dV or dQ kernel's persistent variant (``PERSISTENT``, always set for both: a
-    constexpr left out would be compiled as a runtime argument); ``delta_from_o``: the one-consumer
-    warp-specialised dQ kernel with ``DELTA_FROM_O`` (an O descriptor of ``BLOCK_M`` rows; without it the
-    WS dQ kernel gets ``DELTA_FROM_O=False`` and ``o_desc=None``, as `gluon_launch_dq` passes them)."""
-    fn, config_for = KERNELS[kernel]
+def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from_o: bool = False) -> dict:
+    """The launcher's register split / occupancy (`ws_split` of its shared-memory estimate) for a warp-specialised
+    variant."""
+    if kernel == "dkdv":
+        return dkdv_resources(cfg, head_dim)
+    if tree:
+        return tree_dq_resources(cfg, head_dim)
+    return dq_resources(cfg, head_dim, delta_from_o)
+
+
+def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg, tree: bool = False,
+                    delta_from_o: bool = False):
+    """``triton.compile`` of one kernel variant as the launchers launch it; ``tree``: the tree-mask variant
+    (warp-specialised configs only; ``mask`` must be ""); ``delta_from_o``: the warp-specialised dQ kernel with
+    ``DELTA_FROM_O`` (an O descriptor of ``BLOCK_M`` rows; without it the ws dQ kernel gets
+    ``DELTA_FROM_O=False`` and ``o_desc=None``, as `launch_sm90.gluon_dq` passes them)."""
     dtype = DTYPES[dtype_name]
-    cfg = cfg or config_for(head_dim)
-    if delta_from_o and (kernel != "dq" or tree or not tb.dq_computes_delta(cfg)):
-        raise ValueError("DELTA_FROM_O is a variant of the warp-specialised dQ kernel without a persistent grid")
+    if delta_from_o and (kernel != "dq" or tree or not cfg.warp_specialize):
+        raise ValueError("DELTA_FROM_O is a variant of the warp-specialised dQ kernel")
     if tree and (mask or not cfg.warp_specialize):
         raise ValueError("the tree variants are warp-specialised kernels without another mask")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       TREE=tree, num_warps=cfg.num_warps)
     options = {"num_warps": cfg.num_warps, "num_stages": 1}
-    if cfg.warp_specialize:  # as `gluon_launch_dkdv` / `gluon_launch_dq` launch it
+    if kernel == "dq" and not cfg.warp_specialize:
+        fn = varlen_bwd_dq_gluon_kernel
+    else:  # as `gluon_dkdv` / `gluon_dq` / `gluon_tree_dq` launch it
         res = ws_resources(kernel, cfg, head_dim, tree, delta_from_o)
-        if kernel == "dkdv":
-            fn = varlen_bwd_dkdv_gluon_ws_kernel
-        elif tree:  # as `triton_tree_gluon_dq.gluon_tree_dq` launches it
-            fn = tree_dq_gluon_ws_kernel
-        else:
-            fn = varlen_bwd_dq_gluon_ws_kernel
+        fn = (varlen_bwd_dkdv_gluon_ws_kernel if kernel == "dkdv" else
+              tree_dq_gluon_ws_kernel if tree else varlen_bwd_dq_gluon_ws_kernel)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        if fn in (varlen_bwd_dkdv_gluon_ws_kernel, varlen_bwd_dq_gluon_ws_kernel):
-            constexprs.update(PERSISTENT=persistent)
-        elif persistent:
-            raise ValueError("the tree dQ kernel has no persistent mode")
         if fn is varlen_bwd_dq_gluon_ws_kernel:
             constexprs.update(DELTA_FROM_O=delta_from_o)
             if not delta_from_o:
@@ -184,8 +182,7 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg=
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
     src = GluonASTSource(fn, signature, constants, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return cfg, compiled
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _scf_for_bodies(ttgir: str) -> list[str]:
@@ -235,24 +232,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(tb.HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
-                        help="block_m,block_n,stages,num_warps[,ws[,persistent]] instead of the launcher's table, "
-                             "e.g. 64,64,3,4 or 64,128,4,8,ws (warp-specialised dK/dV) or 128,64,4,8,ws "
-                             "(warp-specialised dQ) or 128,64,4,8,ws,persistent")
+                        help="block_m,block_n,stages,num_warps[,ws] instead of the launchers' configuration, "
+                             "e.g. 64,128,2,8,ws (two-consumer dK/dV) or 128,64,4,8 (non-ws dQ)")
+    parser.add_argument("--short", action="store_true", help="the short-batch dQ configuration")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     parser.add_argument("--tree", action="store_true",
                         help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
-    parser.add_argument("--persistent", action="store_true",
-                        help="the warp-specialised dK/dV and dQ kernels with PERSISTENT (persistent grid; "
-                             "also implied by a --config ending in ,ws,persistent)")
     parser.add_argument("--delta-from-o", action="store_true",
-                        help="the one-consumer warp-specialised dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) "
-                             "in the kernel; the short-sequence config unless --config, other configs skipped)")
+                        help="the warp-specialised dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) in the kernel)")
     args = parser.parse_args()
-    config = tb.parse_config(args.config) if args.config else None
-    persistent = args.persistent or bool(config and config.persistent)
+    config = parse_config(args.config) if args.config else None
     failures = 0
     for kernel in args.kernels:
         for dtype_name in args.dtypes:
@@ -260,26 +252,20 @@ def main() -> int:
                 for mask in [""] if args.tree else args.masks:
                     mask_name = "tree" if args.tree else mask
                     label = f"{kernel:4s} {dtype_name} d={head_dim} mask={mask_name or '-':4s}"
-                    if args.tree and not (config or KERNELS[kernel][1](head_dim)).warp_specialize:
-                        print(f"{label}: skipped (the tree variant needs a warp-specialised config)", flush=True)
+                    cfg = config or default_config(kernel, head_dim, args.tree, args.short)
+                    if cfg is None:
+                        print(f"{label}: skipped (no Gluon kernel runs here)", flush=True)
                         continue
-                    if persistent and not (config or KERNELS[kernel][1](head_dim)).warp_specialize:
-                        print(f"{label}: skipped (the persistent variant needs a warp-specialised config)",
+                    if (args.tree or args.delta_from_o) and not cfg.warp_specialize:
+                        print(f"{label}: skipped (the tree / DELTA_FROM_O variants need a warp-specialised config)",
                               flush=True)
                         continue
-                    if persistent and args.tree and kernel == "dq":
-                        print(f"{label}: skipped (the tree dQ has no persistent mode)", flush=True)
+                    if args.delta_from_o and (kernel != "dq" or args.tree):
+                        print(f"{label}: skipped (DELTA_FROM_O: the varlen dQ only)", flush=True)
                         continue
-                    variant_config = config
-                    if args.delta_from_o:
-                        variant_config = config or tb.dq_config(head_dim, short_seqs=True)
-                        if kernel != "dq" or args.tree or persistent or not tb.dq_computes_delta(variant_config):
-                            print(f"{label}: skipped (DELTA_FROM_O: the warp-specialised dQ, not persistent, only)",
-                                  flush=True)
-                            continue
                     try:
-                        cfg, compiled = compile_variant(kernel, dtype_name, head_dim, mask, variant_config, args.tree,
-                                                        persistent, args.delta_from_o)
+                        compiled = compile_variant(kernel, dtype_name, head_dim, mask, cfg, args.tree,
+                                                   args.delta_from_o)
                     except Exception as e:  # report and go on
                         failures += 1
                         print(f"{label}: FAILED {type(e).__name__}: {str(e)[-800:]}\n"
@@ -287,7 +273,7 @@ def main() -> int:
                         continue
                     shared = compiled.metadata.shared
                     usage, warnings = ptxas_report(compiled.asm["ptx"])
-                    # the WS dQ kernel carries dS across steps with >= 3 stages (`varlen_bwd_gluon_dq_ws`)
+                    # the ws dQ kernel carries dS across steps with >= 3 stages (`bwd_dq_sm90`)
                     carries = not cfg.warp_specialize or (kernel == "dq" and cfg.stages >= 3)
                     ok, detail = overlap_proof(compiled, carries)
                     spills = re.search(r"(\d+) bytes spill stores", usage)
@@ -298,7 +284,7 @@ def main() -> int:
                     occupancy, ctas_off = "", False
                     if cfg.warp_specialize:
                         planned = ws_resources(kernel, cfg, head_dim, args.tree, args.delta_from_o)["ctas_per_sm"]
-                        fits = tb.ws_split(cfg.num_warps, shared)["ctas_per_sm"]
+                        fits = ws_split(cfg.num_warps, shared)["ctas_per_sm"]
                         ctas_off = fits < planned
                         occupancy = (f" ctas_per_sm={planned}" + (f" BUT THE COMPILED SIZE FITS {fits}"
                                                                   if ctas_off else ""))
@@ -321,7 +307,6 @@ def main() -> int:
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
                                                        f"{'_ws' if cfg.warp_specialize else ''}"
-                                                       f"{'_persistent' if persistent else ''}"
                                                        f"{'_delta_from_o' if args.delta_from_o else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:

@@ -1,4 +1,4 @@
-"""Compile the Gluon Hopper forward (`packattn.ops.varlen.common_sm90`) for sm_90a on a machine
+"""Compile the warp-specialised Gluon Hopper forward (`packattn.ops.varlen.fwd_sm90`) for sm_90a on a machine
 without a GPU, for every mask combination and head dim, and check what matters before a GPU run:
 
 * shared memory (must fit the 227 KB of an H100/H200 SM) and ptxas registers / spills;
@@ -6,18 +6,15 @@ without a GPU, for every mask combination and head dim, and check what matters b
   keep wgmma operands in registers);
 * proof of the overlap: inside the main loop the PTX holds ``wgmma.wait_group.sync.aligned 1``
   (and the TTGIR ``warp_group_dot_wait {pendings = 1}``), i.e. a wgmma stays in flight while the
-  warp group runs the softmax.
+  warp group runs the softmax;
+* per partition, the setmaxnreg budget and the highest register the partition's SASS touches, and per
+  loop (innermost loops of the PTX, from LLVM's loop annotations) the barriers left in it: ``cta_bar``
+  (bar.sync over the whole CTA) and ``named_bar`` ({threads: count}: a barrier over one partition's warps).
 
     python scripts/check_gluon_compile.py [--head-dims 64 128] [--dtypes bf16 fp16] [--masks R RT ...]
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
-    python scripts/check_gluon_compile.py --config 64,64,3,4      # another block_m,block_n,stages,warps
-    python scripts/check_gluon_compile.py --config 128,128,3,8,ws,persistent,direct   # warp-specialised
-    python scripts/check_gluon_compile.py --all                   # every config of tg.ab_variants(d)
-
-For the warp-specialised kernel it also reports, per partition, the setmaxnreg budget and the
-highest register the partition's SASS touches, and per loop (innermost loops of the PTX, from
-LLVM's loop annotations) the barriers left in it: ``cta_bar`` (bar.sync over the whole CTA) and
-``named_bar`` ({threads: count}: a barrier over one partition's warps, 128 = one warp group).
+    python scripts/check_gluon_compile.py --config 64,64,3,4      # block_m,block_n,stages,num_warps[,trim]
+    python scripts/check_gluon_compile.py --selected              # every table entry of packattn.ops.varlen.configs
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
@@ -40,9 +36,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.backends import triton_fwd_gluon as tg  # noqa: E402
-from packattn.ops.varlen.common_sm90 import varlen_fwd_gluon_kernel  # noqa: E402
+from packattn.ops.runtime.sm90 import HEAD_DIMS, _smem_layout  # noqa: E402
+from packattn.ops.varlen import configs  # noqa: E402
+from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
+from packattn.ops.varlen.launch_sm90 import fwd_resources  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
@@ -55,31 +53,41 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
     """The signature string the JIT would give a host `TensorDescriptor` with this block."""
     dummy = torch.empty(256, 2048, dtype=dtype)  # CPU tensor: only its dtype / alignment matter
     return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), block,
-                                        tg.smem_layout(block, dtype)))
+                                        _smem_layout(tuple(block), dtype)))
+
+
+def parse_config(text: str) -> GluonConfig:
+    """``"block_m,block_n,stages,num_warps[,trim]"`` as a `GluonConfig`."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if len(parts) not in (4, 5) or parts[4:] not in ([], ["trim"]):
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim]")
+    return GluonConfig(*(int(x) for x in parts[:4]), trim=len(parts) == 5)
+
+
+def label_of(cfg: GluonConfig) -> str:
+    return f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
+
+
+def selected_configs(head_dim: int) -> list[GluonConfig]:
+    """The forward configurations the launcher can select at ``head_dim`` (every table of `configs`)."""
+    tables = (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS)
+    return list(dict.fromkeys(t[head_dim] for t in tables if head_dim in t))
 
 
 def compile_variant(dtype_name: str, head_dim: int, mask: str, cfg=None):
-    """``triton.compile`` of one variant (the launcher's configuration unless ``cfg``); the int and pointer
-    arguments get ``tt.divisibility = 16`` where a real launch (16-aligned tensors, strides that
-    are multiples of 16) would give it."""
-    cfg = cfg or tg.config_for(head_dim)
-    block_n, stages = cfg.block_n, cfg.stages
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=block_n, STAGES=stages,
-                      HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask)
-    options = {"num_stages": 1}
-    if cfg.warp_specialize:  # as `gluon_fwd` launches it
-        fn = varlen_fwd_gluon_ws_kernel
-        res = tg.ws_resources(cfg, head_dim)
-        constexprs.update(DIRECT_STORE=cfg.direct_store, PINGPONG=cfg.pingpong, TRIM=cfg.trim,
-                          CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        options.update(num_warps=4, maxnreg=res["maxnreg"])
-    else:
-        fn = varlen_fwd_gluon_kernel
-        constexprs.update(num_warps=cfg.num_warps)
-        options.update(num_warps=cfg.num_warps)
+    """``triton.compile`` of one variant as `launch_sm90.gluon_fwd` launches it (the default configuration
+    unless ``cfg``); the int and pointer arguments get ``tt.divisibility = 16`` where a real launch
+    (16-aligned tensors, strides that are multiples of 16) would give it."""
+    cfg = cfg or configs.CONFIGS[head_dim]
+    res = fwd_resources(cfg, head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                      HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
+                      TRIM=cfg.trim, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+                      num_warps=4)
+    options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}
     aligned = set(POINTERS) | {"stride_o_row", "stride_lse_head"}  # (rows, heads, d) contiguous: d | stride
-    compiled = compile_forward_kernel(fn, dtype_name, head_dim, cfg.block_m, block_n, constexprs, options,
-                                      POINTERS, aligned)
+    compiled = compile_forward_kernel(varlen_fwd_gluon_ws_kernel, dtype_name, head_dim, cfg.block_m, cfg.block_n,
+                                      constexprs, options, POINTERS, aligned)
     return cfg, compiled
 
 
@@ -230,14 +238,14 @@ def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | 
     """Compile one variant and check it: ``(problem, report text)``. A problem is a failed
     compile, shared memory over the limit, a spill, a ptxas warning (C7514/C7515...), a missing
     overlap, or a warp-specialised partition touching more registers than its setmaxnreg budget."""
-    config = tg.parse_config(config_text) if config_text else None
-    label = f"{dtype_name} d={head_dim} mask={mask or '-':4s}"
+    config = parse_config(config_text) if config_text else None
+    name = f"{dtype_name} d={head_dim} mask={mask or '-':4s}"
     try:
         cfg, compiled = compile_variant(dtype_name, head_dim, mask, config)
     except Exception as e:  # report and go on
-        return True, failure_report(f"{label} [{config_text or 'default'}]", e)
-    stem = f"{dtype_name}_d{head_dim}_{mask or 'none'}_{cfg.label().replace(',', '_')}"
-    return compiled_report(compiled, f"{label} [{cfg.label()}]", stem, dump)
+        return True, failure_report(f"{name} [{config_text or 'default'}]", e)
+    stem = f"{dtype_name}_d{head_dim}_{mask or 'none'}_{label_of(cfg).replace(',', '_')}"
+    return compiled_report(compiled, f"{name} [{label_of(cfg)}]", stem, dump)
 
 
 def failure_report(label: str, e: BaseException) -> str:
@@ -279,14 +287,13 @@ def _check_job(job):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(tg.HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
-                        help="a configuration instead of the launcher's table (repeatable), in the format of "
-                             "$PACKATTN_GLUON_FWD_CONFIG: block_m,block_n,stages,num_warps[,ws][,persistent][,direct]")
-    parser.add_argument("--all", action="store_true",
-                        help="every configuration of triton_fwd_gluon.ab_variants(head_dim) (persistent ones "
-                             "compile to their non-persistent kernel)")
+                        help="a configuration instead of the default one (repeatable): "
+                             "block_m,block_n,stages,num_warps[,trim]")
+    parser.add_argument("--selected", action="store_true",
+                        help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                         help="compile in this many processes")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
@@ -294,11 +301,11 @@ def main() -> int:
     jobs = []
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
-            if args.all:  # `persistent` only changes the grid: its kernels are the non-persistent ones
-                configs = list(dict.fromkeys(replace(c, persistent=False).label() for c in tg.ab_variants(head_dim)))
+            if args.selected:
+                texts = [label_of(c) for c in selected_configs(head_dim)]
             else:
-                configs = args.config or [None]
-            for config_text in configs:
+                texts = args.config or [None]
+            for config_text in texts:
                 for mask in args.masks:
                     jobs.append((dtype_name, head_dim, mask, config_text, args.dump))
     failures = 0

@@ -1,5 +1,5 @@
 """Compile the Triton varlen kernels for a GPU architecture on a machine without a GPU, with the
-launch configurations of `packattn.backends.triton_varlen`, and print each kernel's shared memory
+launch configurations of `packattn.ops.varlen.configs`, and print each kernel's shared memory
 and ptxas register / spill counts. Catches compile errors and oversized configs before a GPU run.
 
     python scripts/check_triton_compile.py --arch 90 --dtypes bf16 --head-dims 128 --mask R
@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from packattn.backends import triton_varlen as tv  # noqa: E402
+from packattn.ops.varlen import configs as tv  # noqa: E402
 from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
 from packattn.ops.tree.kernels_triton import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
 from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel  # noqa: E402

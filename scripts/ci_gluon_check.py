@@ -1,9 +1,10 @@
 """CI's Gluon gate check: compile our Hopper Gluon kernels for sm_90a on the CPU with the installed Triton
-and hold the result against `packattn.backends.triton_base.gluon_unsupported` (whether packattn runs them
+and hold the result against `packattn.ops.runtime.support.gluon_unsupported` (whether packattn runs them
 on this Triton).
 
-* Gluon on for this Triton: the forward (d 64 / 128, causal and no mask), the backward dK/dV and dQ and the
-  tree forward (d 128, causal) must compile cleanly (the check scripts' own criteria); exit 1 otherwise.
+* Gluon on for this Triton: every forward configuration the launcher selects (d 64 / 128, causal and no
+  mask), the backward dK/dV and dQ (d 64 / 128, causal; the dQ also with DELTA_FROM_O), the tree dK/dV and dQ
+  (d 128) and the tree forward (d 128) must compile cleanly (the check scripts' own criteria); exit 1 otherwise.
 * Gluon off: one forward variant is compiled to confirm the kernels do not build here (exit 0 either way;
   a clean compile prints a note that the release could be added to ``GLUON_TRITON`` after a GPU run).
 
@@ -18,11 +19,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from packattn.backends import triton_base  # noqa: E402
+from packattn.ops.runtime import support  # noqa: E402
 
 FULL = [
-    ["check_gluon_compile.py", "--head-dims", "64", "128", "--masks", "R", "", "--jobs", "2"],
-    ["check_gluon_bwd_compile.py", "--head-dims", "128", "--masks", "R", "--dtypes", "bf16"],
+    ["check_gluon_compile.py", "--head-dims", "64", "128", "--masks", "R", "", "--jobs", "2", "--selected"],
+    ["check_gluon_bwd_compile.py", "--head-dims", "64", "128", "--masks", "R", "--dtypes", "bf16"],
+    ["check_gluon_bwd_compile.py", "--kernels", "dq", "--delta-from-o", "--head-dims", "128", "--masks", "R",
+     "--dtypes", "bf16"],
+    ["check_gluon_bwd_compile.py", "--tree", "--head-dims", "128", "--dtypes", "bf16"],
     ["check_gluon_tree_compile.py", "--head-dims", "128", "--dtypes", "bf16"],
 ]
 PROBE = [["check_gluon_compile.py", "--head-dims", "128", "--masks", "R", "--jobs", "1"]]
@@ -45,11 +49,11 @@ def run_checks(checks: list[list[str]]) -> list[str]:
 
 
 def main() -> int:
-    version = triton_base.triton_version()
+    version = support.triton_version()
     if version is None:
         print("gluon: FAILED: triton is not installed")
         return 1
-    off = triton_base.gluon_unsupported()
+    off = support.gluon_unsupported()
     if off is None:
         failed = run_checks(FULL)
         if failed:
@@ -59,7 +63,7 @@ def main() -> int:
         return 0
     failed = run_checks(PROBE)
     if failed:
-        print(f"gluon: passed: kernels off for triton {version} (GLUON_TRITON {triton_base.GLUON_TRITON}), "
+        print(f"gluon: passed: kernels off for triton {version} (GLUON_TRITON {support.GLUON_TRITON}), "
               "and they do not compile there")
     else:
         print(f"gluon: passed: kernels off for triton {version}; note: they compile there, add it to GLUON_TRITON "

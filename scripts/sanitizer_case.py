@@ -2,13 +2,11 @@
 padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind; a
 batch with a sequence of >= 512 queries and a short one (<= 512: the short-batch Gluon forward -- 64 x 64 on an
 H200, the trimmed 128 x 64 elsewhere -- and the short-sequence dQ), both with GQA 4/2 (the one-consumer dK/dV); the
-long one again with the preprocess instead of the two-consumer dQ computing delta ($PACKATTN_GLUON_FUSED_DELTA=0);
+long one again with a gradient through lse too (the backward then runs the preprocess: the dQ pass does not compute delta);
 then a small tree (the Gluon tree forward, dK/dV and dQ on sm_90).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitizer_case.py
 """
-
-import os
 
 import torch
 
@@ -26,18 +24,15 @@ for seqs, opts in [(seqs, opts) for seqs in batches  # the second batch is short
     out, lse = packattn.attention(q, k, v, seqs, backend="triton", return_lse=True, **opts)
     grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads) and not out.isnan().any()
-# the long batch again with the preprocess (the two-consumer dQ computes delta by default,
-# `triton_bwd_gluon.ENV_FUSED_DELTA`)
-os.environ["PACKATTN_GLUON_FUSED_DELTA"] = "0"
+# the long batch again with a gradient through lse: the preprocess computes delta, the dQ kernel reads it
 for opts in ({"causal": True}, {"causal": "top_left", "window": (33, 5)}):
     seqs = batches[0]
     q = torch.randn(seqs.total_q, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(seqs.total_kv, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(seqs.total_kv, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = packattn.attention(q, k, v, seqs, backend="triton", **opts)
-    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    out, lse = packattn.attention(q, k, v, seqs, backend="triton", return_lse=True, **opts)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
     assert all(torch.isfinite(g).all() for g in grads) and not out.isnan().any()
-del os.environ["PACKATTN_GLUON_FUSED_DELTA"]
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(0, 50, (n,), generator=g) for n in (70, 3, 200)]
 tree = packattn.Tree.from_sequences([torch.cat([p, torch.randint(0, 50, (m,), generator=g)])
