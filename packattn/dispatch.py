@@ -26,6 +26,7 @@ import torch
 from packattn import backends, env
 from packattn.lengths import SHORT_SEQLEN, short_batch
 from packattn.mask import Mask
+from packattn.varlen import Varlen
 
 if TYPE_CHECKING:
     from packattn.backends.base import Backend
@@ -92,8 +93,6 @@ def call_params(seqs, *, device_type: str, dtype: torch.dtype, heads_q: int, hea
     (``packattn explain``, the demo). While torch.compile traces, the descriptor's per-batch host values are
     symbolic: they are read without branching (`Params.traced_buckets`) and the host copies of the lengths
     not at all (a tuple read is a guard), so one graph serves every packing."""
-    from packattn.varlen import Varlen
-
     traced = torch.compiler.is_compiling()
     if isinstance(seqs, Varlen):
         kind, pad, is_self = "dense" if dense else "varlen", seqs.pad_between_seqs, seqs.is_self
