@@ -6,13 +6,15 @@ holds) and executors that compute the local rows' attention against the whole ba
     out = packattn.cp.attention(q, k, v, plan, causal=True)  # local rows of the global result
     out_g = plan.unshard(out)                               # every rank gets the global layout
 
-v1: strategy "allgather" (all-gather K/V, reduce-scatter dK/dV) with zigzag or contiguous
-balance; "a2a" (all-to-all over heads, Ulysses: `packattn.cp.alltoall`); "a2a+p2p" on a 2-D
-DeviceMesh (all-to-all inside the inner dimension, K/V exchange across the outer:
-`packattn.cp.hybrid`); "p2p" (P2P ring: K/V rotate rank to rank, sends overlapping compute;
-every mask, windows and chunks included: `packattn.cp.ring`); `packattn.Tree` descriptors
-(`packattn.cp.tree`: root subtrees per rank, large roots cut with "allgather"); "allgather"
-overlaps its collectives with compute per group of kv heads (``overlap_groups``).
+Strategies (``plan(..., strategy=)``): "allgather" (all-gather K/V, reduce-scatter dK/dV, its collectives
+overlapping compute per group of kv heads with ``overlap_groups``: `packattn.cp.allgather`); "p2p" (P2P
+ring: K/V rotate rank to rank, sends overlapping compute: `packattn.cp.ring`); "a2a" (all-to-all over
+heads, Ulysses: `packattn.cp.alltoall`); "a2a+p2p" on a 2-D DeviceMesh (all-to-all inside the inner
+dimension, K/V exchange across the outer: `packattn.cp.hybrid`). Every mask (causal in both alignments,
+windows, chunks) and every balance ("documents", "zigzag", "contiguous"). `packattn.Tree` descriptors:
+`packattn.cp.tree` (root subtrees per rank, large roots cut with "allgather"). Layers: `packattn.cp.plan`
+(row ownership), `packattn.cp.executor` (the executors' one signature), `packattn.cp.api` (checks,
+builders, dispatch to the executors).
 """
 
 from packattn.cp.api import attention, plan

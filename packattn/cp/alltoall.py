@@ -22,8 +22,7 @@ local kv head ``j`` being global head ``(r * hq_l + j * gcd(hq_l, g)) // g``, so
 is ordinary GQA with group ``gcd(hq_l, g)``. The gradient of a replicated head is the sum of its
 copies' gradients, summed in a fixed order (`_SelectHeads`), so ``deterministic=True`` holds.
 
-Nothing here looks inside the descriptor: it is handed to `packattn.attention` as is, so a
-descriptor that `plan()` accepted (a `packattn.Tree` one day) runs unchanged. `exchange_rows_for_heads`
+Nothing here looks inside the descriptor: it is handed to `packattn.attention` as is. `exchange_rows_for_heads`
 and `exchange_heads_for_rows` are reused by the hybrid strategy (`packattn.cp.hybrid`) inside one
 mesh dimension.
 """
