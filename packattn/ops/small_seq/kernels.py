@@ -30,8 +30,9 @@ past 2**31 elements).
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # host side: folded into the scale by the launcher
-LN2 = tl.constexpr(0.6931471805599453)  # used in the kernels: must be a constexpr
+from packattn.ops.runtime import launch
+
+LN2 = tl.constexpr(1.0 / launch.LOG2E)  # ln(2); a constexpr: used inside the kernels
 
 
 @triton.jit

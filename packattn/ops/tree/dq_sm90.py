@@ -3,30 +3,29 @@
 The tree (`packattn.Tree`) is one sequence of ``total`` rows; key ``s`` is visible to the queries
 ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Same contract as
 `packattn.ops.tree.kernels_triton.tree_dq_kernel` (``dQ = scale * dS K``, ``lse`` float32 natural log, ``delta``
-from `triton_varlen.bwd_delta`, no atomics: deterministic) with the tables of
-`packattn.backends.triton_tree.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
+from the preprocess (`packattn.ops.varlen.launch_triton.bwd_delta`), no atomics: deterministic) with the tables of
+`packattn.ops.tree.tables.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
 keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals`` rows ``[lo, hi, kind]``
 (block-aligned key rows; kind 0 skipped, 1 element mask, 2 every pair visible). One program per
-(query tile, query head) in head sections (`varlen_fwd_gluon_ws._section_order`); kv head ``head // group_size``.
+(query tile, query head) in head sections (`packattn.ops.varlen.fwd_sm90._section_order`); kv head ``head // group_size``.
 
 The partitions, ring, barriers, tail rendezvous and register split are those of
 `packattn.ops.varlen.bwd_dq_sm90` (read its module docstring): a 1-warp producer and two
 consumer warp groups of 64 queries. The difference is the walk: instead of one key range, the
 visible intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``.
 The producer walks them interval by interval; the consumers with the tree forward's cursor
-(`tree_fwd_gluon._first_block` / `_next_block`: interval index, block start, interval end, kind),
+(`packattn.ops.tree.fwd_sm90._first_block` / `_next_block`: interval index, block start, interval end, kind),
 which yields the same blocks in the same order (`build_query_tiles` stores maximal runs: a kind-0
 row is always followed by a visible one, every visible row holds at least one block). All three
 partitions count the same ring steps ``j`` (all blocks of the tile so far), so slot ``j % STAGES``
 and parity ``(j // STAGES) & 1`` agree.
 
 The consumers run the tile's blocks as ONE software pipeline (`_tree_dq_blocks`): each block is a
-`varlen_bwd_gluon_dq_ws._dq_ws_step` with the tree mask in a masked block (kind 1) and the block as
+`packattn.ops.varlen.bwd_dq_sm90._dq_ws_step` with the tree mask in a masked block (kind 1) and the block as
 its own unmasked band in a full one (kind 2), and with ``STAGES >= 3`` dS of block ``j`` is carried
 into step ``j + 1`` (its ``dQ += dS K`` runs under block ``j + 1``'s S / dP wgmma and softmax) also
 when block ``j + 1`` opens the next interval: one exposed dQ product per tile, as in the varlen
-kernel, instead of one per interval (a pipeline prologue and epilogue per interval left ~1 block in
-8 without overlap on an agent tree). The cursor reads interval rows only when a block opens a new
+kernel, instead of one per interval. The cursor reads interval rows only when a block opens a new
 interval (a uniform branch, L1 hits: `_count_blocks` read the same rows before the loop); the
 block's kind lives in a register and picks the mask per block. The tail rendezvous is per step as
 in varlen (``n + BLOCK_N > total``: at most one block of the tile, the same step in both consumers).
@@ -34,7 +33,7 @@ in varlen (``n + BLOCK_N > total``: at most one block of the tile, the same step
 The mask of a masked block needs ``key_end`` of its ``BLOCK_N`` keys. The producer cp.async's them
 into a per-slot ring (``key_ends``, ``STAGES x BLOCK_N`` int32, 1 KB at 4 x 64) next to K and V,
 tracked by the slot's ``ready`` barrier through ``cp.async.mbarrier.arrive`` (which adds its own
-pending arrival, issued before the TMA ``expect``), as `varlen_bwd_gluon_ws` does with lse / delta;
+pending arrival, issued before the TMA ``expect``), as `packattn.ops.varlen.bwd_dkdv_sm90` does with lse / delta;
 only for masked blocks (kind 1). Chosen over loads by the consumers: the copy is issued one to
 ``STAGES - 1`` blocks ahead, so its latency is hidden behind the ring like K / V, while a consumer
 load would be issued after the block's S wgmma at best and its global latency (a few hundred
@@ -46,11 +45,9 @@ Rows past ``total``: K / V rows of the tail block are zeroed in shared memory (t
 rendezvous, ``len_kv = total``), query rows past ``total`` get P = 0 (lse ``+inf``) and are not stored.
 Every query tile has at least one visible block (a query sees its own key).
 
-Compiled for sm_90a (scripts/check_gluon_bwd_compile.py --tree --kernels dq): at d = 128 with the
-launcher's 128 x 64 blocks and 4 stages, consumers ~197 / ~201 of 240 registers, no spills, ~198 KB of
-shared memory, one main loop per consumer with wgmma in flight across P and dS. ``BLOCK_N = 128``
-(2 stages) compiles but spills (8 B) at d = 128 (the mask's key positions and ``key_end`` cost 64
-registers there); the launcher never picks it (`use_gluon_tree_dq` needs the Triton dQ blocks, 128 x 64).
+Budget (contract with `packattn.ops.tree.launch_sm90.tree_dq_resources`): the varlen two-consumer dQ's
+shared memory plus the ``key_end`` ring; at d = 128 with 128 x 64 blocks and 4 stages one CTA per SM, 240
+registers per consumer thread, no spills. ``BLOCK_N = 128`` spills at d = 128 and is not in the tables.
 """
 
 from triton.experimental import gluon
@@ -65,15 +62,15 @@ from packattn.ops.varlen.bwd_dq_sm90_load import _program_id
 from packattn.ops.varlen.common_sm90 import _load_kv_block, mma_layout
 from packattn.ops.varlen.fwd_sm90 import _section_order
 
-MASKED = gl.constexpr(1)  # interval kinds of `triton_tree.build_query_tiles` (0: no key visible)
+MASKED = gl.constexpr(1)  # interval kinds of `packattn.ops.tree.tables.build_query_tiles` (0: no key visible)
 FULL = gl.constexpr(2)
 
 
 @gluon.jit
 def _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section, OPAQUE_PID: gl.constexpr = False):
     """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (one program per
-    work item, in `varlen_fwd_gluon_ws._section_order`); ``OPAQUE_PID``: see
-    `varlen_bwd_gluon_dq_ws_producer._program_id`."""
+    work item, in `packattn.ops.varlen.fwd_sm90._section_order`); ``OPAQUE_PID``: see
+    `packattn.ops.varlen.bwd_dq_sm90_load._program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
     tile, head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)
@@ -215,7 +212,7 @@ def tree_dq_gluon_ws_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dQ of tree attention (module docstring); launch with ``num_warps = 4`` and ``maxnreg`` as
-    `triton_tree_gluon_dq.tree_dq_ws_resources` says. Descriptors over the ``(rows, heads * HEAD_DIM)``
+    `packattn.ops.tree.launch_sm90.tree_dq_resources` says. Descriptors over the ``(rows, heads * HEAD_DIM)``
     views: ``q_desc`` / ``do_desc`` blocks ``[BLOCK_M, HEAD_DIM]``, ``k_desc`` / ``v_desc`` blocks
     ``[BLOCK_N, HEAD_DIM]``. ``Lse`` / ``Delta``: float32 ``(heads_q, total)`` with row stride 1."""
     q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty = _dq_ws_buffers(

@@ -2,8 +2,8 @@
 
 Same contract as `packattn.ops.tree.kernels_triton.tree_fwd_kernel` (the Triton tree forward): the tree is
 one sequence of ``total`` rows, key ``s`` is visible to queries ``s <= t < key_end[s]``; tables of
-`packattn.backends.triton_tree.build_query_tiles` built with this kernel's ``BLOCK_M`` /
-``BLOCK_N`` (`packattn.ops.tree.launch_sm90_fwd.tree_fwd_blocks`): ``tiles`` rows ``[q_start,
+`packattn.ops.tree.tables.build_query_tiles` built with this kernel's ``BLOCK_M`` /
+``BLOCK_N`` (`packattn.ops.tree.configs.fwd_blocks`): ``tiles`` rows ``[q_start,
 first_interval, num_intervals]`` (longest first), ``intervals`` rows ``[lo, hi, kind]`` (kind 0: no
 key visible, skipped; 1: element mask; 2: every pair visible); ``out`` in the input dtype, ``lse``
 float32 natural log ``(heads_q, total)``; GQA by ``head // group_size``.
@@ -22,35 +22,26 @@ fastest, ``pid, pid + nprog, ...``. What differs is the walk over key blocks:
   is always followed by a visible one: advancing reads at most two interval rows, and only when
   the current interval is exhausted (a uniform branch with L1-resident scalar loads, issued
   while the consumer's PV / S wgmma run). `_count_blocks` sums the blocks first: the consumer
-  pipeline peels the first and the last block, the producer loads Q after the first ``Q_AFTER``.
-  The consumer's loop is `varlen_fwd_gluon_ws._ws_attend`'s (S[j+1] and PV[j] in flight during the
+  pipeline peels the first and the last block, the producer loads Q after the first block.
+  The consumer's loop is `packattn.ops.varlen.fwd_sm90._ws_attend`'s (S[j+1] and PV[j] in flight during the
   softmax of S[j+1], no wgmma across the back edge) and does not drain between intervals.
 
 * **key_end reaches the consumers through the ring.** For a kind-1 block the producer cp.asyncs
   ``key_end[n : n + BLOCK_N]`` into ``ends[slot]`` (int32, next to the slot's K / V), then
   ``cp.async.mbarrier.arrive`` on ``ready[slot]`` (it adds its own pending arrival, so ``ready``
   keeps count 1) before the ``expect`` + TMA of K / V: the consumer's one wait on ``ready`` covers
-  all three, as `varlen_bwd_gluon_ws` does with lse / delta. Keys past ``total`` are not read and
+  all three, as `packattn.ops.varlen.bwd_dkdv_sm90` does with lse / delta. Keys past ``total`` are not read and
   land as 0 (cp.async zero fill): ``t < 0`` is false, so they are invisible. Kind-2 blocks copy
   nothing. The consumer reads ``ends[slot]`` from shared memory only inside a kind-1 block's
   softmax (a broadcast ``ld.shared``: the four threads of a quad read distinct 8-byte pairs, the
   other lanes the same words) and masks ``n + c <= t < ends[c]``.
 
-  Why not let the consumers load key_end from global memory: register budget. A consumer thread
-  (d = 128, BLOCK_N = 128) has 240 registers (`triton_fwd_gluon.ws_split`: 12 warps on the SM's
-  64 K registers, producer 24). At the softmax of S[j+1] it holds O (64 x 128 fp32 / 128 threads =
-  64, pinned by the in-flight PV[j]), P[j] as the wgmma A operand (32, pinned too), S[j+1] (64),
-  m / l / alpha / row positions (~8) and the ring / cursor scalars: the varlen consumer touches
-  218 of its 240 registers. The tree mask adds the 32 ``key_end`` values of the thread's 32
-  columns (16 ``ld.shared.v2``), live only while S is masked; the key side of ``n + c <= t`` is
-  compared as ``c <= t - n`` (one subtraction per row, the column offsets stay constants). Loaded
-  from global memory the ends would also need 64-bit addresses and put ~500 cycles of latency on
-  the critical path between S[j+1] and P[j+1], or be prefetched a block ahead (32 more registers
-  held across the loop: over budget). From shared memory the load takes ~30 cycles and one 32-bit
-  address, and the producer warp, which has the time, does the global traffic (4 cp.async of 4 B
-  per thread per kind-1 block). Measured (scripts/check_gluon_tree_compile.py, sm_90a, ptxas of
-  Triton 3.6): consumers touch 233-235 of 240 registers at d = 128 and 214 at d = 64, the
-  producer 22 of 24, no spills.
+  Register budget: a consumer thread (d = 128, BLOCK_N = 128) has 240 registers; at the softmax of S[j+1]
+  it holds O (64, pinned by the in-flight PV[j]), P[j] as the A operand (32), S[j+1] (64), the row state and
+  the cursor. The tree mask adds the 32 ``key_end`` values of the thread's columns (16 ``ld.shared.v2``),
+  live only while S is masked; the key side of ``n + c <= t`` is compared as ``c <= t - n`` (the column
+  offsets stay constants). The producer warp does the global traffic, so the consumers hold no 64-bit
+  addresses and no global latency sits between S[j+1] and P[j+1].
 
 * **Rows past ``total``.** The TMA descriptors cover exactly ``total`` rows, so Q / K / V rows past
   it read as zeros (no V-tail zeroing as in varlen, where those rows belong to the next sequence).
@@ -117,7 +108,7 @@ def _count_blocks(intervals, first, count, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _tree_item(tiles, intervals, w, num_heads_q, group_size, num_work, heads_per_section, HEAD_DIM: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` (`varlen_fwd_gluon_ws._section_order`): ``(head, col_kv, q_start, first,
+    """Decode work item ``w`` (`packattn.ops.varlen.fwd_sm90._section_order`): ``(head, col_kv, q_start, first,
     last, num_blocks)`` with ``[first, last]`` the tile's interval rows."""
     tile, head = _section_order(w, heads_per_section, num_work // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)
@@ -196,7 +187,7 @@ def _tree_softmax(s, m_i, l_i, offs_m, offs_n, n, kind, ends, qk_scale_log2, s_l
 def _tree_attend(q_wg, k_bufs, v_bufs, ends_bufs, ready, empty, q_empty, intervals, base, first, last, num_blocks,
                  m_i, l_i, acc, offs_m, offs_n, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """`varlen_fwd_gluon_ws._ws_attend` over the work item's ``num_blocks >= 1`` visible blocks (ring
+    """`packattn.ops.varlen.fwd_sm90._ws_attend` over the work item's ``num_blocks >= 1`` visible blocks (ring
     blocks ``base ...``), the cursor giving each block's start and kind; slot ``j`` goes back to
     the producer on ``empty`` once PV[j] is done, Q on ``q_empty`` after the last S. Returns ``(acc, m, l)`` with no wgmma in flight."""
     dtype: gl.constexpr = q_wg.dtype
@@ -279,7 +270,7 @@ def tree_fwd_gluon_kernel(
     """Warp-specialised tree forward (module docstring). Descriptors over the ``(total, heads *
     HEAD_DIM)`` views of q / k / v, blocks ``[BLOCK_M, HEAD_DIM]`` (q) and ``[BLOCK_N, HEAD_DIM]`` (k,
     v); ``key_end`` int32 ``(total,)``; ``num_work = tiles.shape[0] * num_heads_q``. Launch with
-    ``num_warps = 4`` and ``maxnreg`` / register split of `triton_tree_gluon.tree_ws_resources`."""
+    ``num_warps = 4`` and ``maxnreg`` / register split of `packattn.ops.tree.launch_sm90.tree_fwd_resources`."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(BLOCK_N % 32 == 0, "the producer warp copies key_end in BLOCK_N // 32 values per thread")

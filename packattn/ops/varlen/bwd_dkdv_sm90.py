@@ -1,120 +1,67 @@
 """Warp-specialised dK/dV backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Same contract as `packattn.ops.varlen.bwd_sm90.varlen_bwd_dkdv_gluon_kernel` (read its module
-docstring): one program per (key tile of ``BLOCK_N = 128`` keys -- or 64, ONE CONSUMER below --, kv
-head), tile-table rows ``[seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` built by ``tile_table(seqs,
-mask, True, BLOCK_N, BLOCK_M)``, the GQA group's query heads in order and, per head, the query blocks
-``m_lo + i * BLOCK_M`` of ``[m_lo, m_hi)``; the element mask only outside the fully visible band
-``[mid_lo, mid_hi)``; Q / dO rows past ``len_q`` zeroed in shared memory before a wgmma reads them;
-dK (times ``scale``) and dV stored for rows inside the sequence only; no atomics (deterministic);
-keys no query sees get dK = dV = 0. Selected by ``GluonBwdConfig.warp_specialize``
-(``$PACKATTN_GLUON_DKDV_CONFIG=64,128,4,8,ws``) in `packattn.ops.varlen.launch_sm90_bwd`. This module
-holds the consumers and the kernel; the work-item decode and the producer partition are in
+Computes dK (times ``scale``) and dV under the contract of `packattn.ops.varlen.bwd_sm90` (module docstring):
+one program per (key tile of ``BLOCK_N`` keys, kv head) in head sections, tile-table rows ``[seq, k_start,
+m_lo, m_mid_lo, m_mid_hi, m_hi]`` from ``tile_table(seqs, mask, True, BLOCK_N, BLOCK_M)``; the GQA group's
+query heads in order and, per head, the query blocks ``m_lo + i * BLOCK_M``; the element mask only outside
+the fully visible band; keys no query sees get dK = dV = 0; a tile without steps loads nothing and stores
+zeros. This module holds the consumers and the kernel; the decode and the producer are in
 `packattn.ops.varlen.bwd_dkdv_sm90_load`.
 
-Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
-worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
-240 registers each, producer 24, `triton_bwd_gluon.dkdv_ws_resources`)::
+Partitions (launched with ``num_warps = 4``; ``CONSUMERS = BLOCK_N // 64``, the default partition is consumer
+0, a 4-warp worker is consumer 1 when there are two, plus a 1-warp producer)::
 
-    producer (1 warp)                        consumer c in {0, 1} (4 warps each)
-    TMA K, V (128 rows) -> kv_bar            keys [64 c, 64 c + 64) of the tile: own K / V rows,
-    for it in 0 .. total-1:                  own dK / dV accumulators; wait kv_bar
-      wait empty[it % S] (parity ^ 1)        for it in 0 .. total-1: step(it)   (below)
-      cp.async lse, delta -> stats[it % S]   store dV, dK * scale (staged in its own V / K rows)
+    producer (1 warp)                        consumer c (4 warps)
+    TMA K, V (BLOCK_N rows) -> kv_bar        keys [64 c, 64 c + 64): own K / V rows, own dK / dV; wait kv_bar
+    for it in 0 .. total-1:                  for it in 0 .. total-1: step(it)
+      wait empty[it % S] (parity ^ 1)        store dV, dK * scale (staged in its own V / K rows)
+      cp.async lse, delta -> stats[it % S]
       cp.async.mbarrier.arrive ready[it % S]
       expect + TMA Q[it], dO[it] -> ready[it % S]
 
-``total = group_size * num_m_blocks``; step ``it`` is (query head ``it // num_m_blocks``, query block
-``it % num_m_blocks``) in all partitions: every partition decodes the same tile-table row
-and walks the steps in the same order (counters, no divisions), so ring slot ``it % STAGES`` and
-parity ``(it // STAGES) & 1`` agree. ``ready[slot]`` (count 1) completes when the TMA bytes have
-landed and the producer's cp.async of lse / delta are done (``cp.async.mbarrier.arrive`` adds its
-own pending arrival). ``empty[slot]`` has count 2 (``CONSUMERS``): both consumers read the same Q /
-dO / stats slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass at once.
+``total = group_size * num_m_blocks``; every partition decodes the same row and walks the steps in the same
+order (counters, no divisions), so slot ``it % STAGES`` and parity ``(it // STAGES) & 1`` agree. ``ready[slot]``
+(count 1) completes when the TMA bytes have landed and the producer's cp.async are done
+(``cp.async.mbarrier.arrive`` adds its own pending arrival); ``empty[slot]`` counts one arrival per consumer.
 
-Step ``it`` of one consumer (it enters and leaves with no wgmma in flight)::
+Step ``it`` of one consumer (enters and leaves with no wgmma in flight)::
 
-    wait   ready[slot]; tail block only: zero rendezvous (below)
-    issue  S^T  = K Q^T                          (async)
-    issue  dP^T = V dO^T                         (async)
+    wait   ready[slot]; tail block only: zero the rows past len_q (below)
+    issue  S^T = K Q^T, dP^T = V dO^T            (async)
     lse from stats[slot]; wait until 1 pending   (S^T done)
-    P^T = exp2(S^T c - lse log2e), masked off the band   (dP^T runs)
-    issue  dV += P^T dO                          (async, P^T a register A operand)
+    P^T = exp2(S^T c - lse log2e), masked        (dP^T runs)
+    issue  dV += P^T dO                          (async)
     wait   until 1 pending                       (dP^T done; dV runs)
-    delta from stats[slot]; dS^T = P^T (dP^T - delta)     (dV runs)
-    issue  dK += dS^T Q                          (async)
-    wait   until 0 pending; arrive empty[slot]
+    delta from stats[slot]; dS^T = P^T (dP^T - delta)
+    issue  dK += dS^T Q; wait until 0 pending; arrive empty[slot]
 
-Unlike the non-warp-specialised kernel, dK[it] is not carried into step it+1 (under S^T[it+1] and
-P^T[it+1]): dS^T across the loop's back edge costs 16 more registers at the peak, and that variant
-spills ~220 B at 240 registers. Within a consumer the dK product is therefore exposed, but the two
-consumers are independent (no CTA barrier in the loop, only the ``empty`` slots and the tail
-rendezvous tie them), so they drift out of phase and one's wgmma fill the other's elementwise work.
+dK is finished within the step (carrying dS^T across the back edge costs 16 registers at the peak, over
+budget); the consumers are tied only by ``empty`` and the tail rendezvous, so they drift out of phase and one's
+wgmma fill the other's elementwise work.
 
-Register budget (d = 128, BLOCK_M = 64, per consumer thread): dK + dV 128, S^T and dP^T 32 each,
-P^T / dS^T operands 16 each, lse / delta 16 each while used. It fits 240 only because nothing else
-per-query is live across the loop: lse / delta come from shared memory (filled by the producer,
-so the consumers hold no per-element 64-bit addresses); the mask compares the block's query
-positions, loaded from a small shared table (``cols``; a ``gl.arange`` would be hoisted by LLVM
-and hold 16 registers for the whole loop), with two per-key bounds computed once
-(`_query_range_of_keys`); the epilogue decodes the tile row again instead of keeping its scalars.
+Register budget (d = 128, BLOCK_M = 64, per consumer thread; 240 with two consumers at one CTA per SM, 232
+with one consumer at two CTAs per SM): dK + dV 128, S^T and dP^T 32 each, the P^T / dS^T operands 16 each.
+It fits only because nothing else per query lives across the loop: lse / delta come from shared memory; the
+mask compares the block's query positions, read from a small shared table (``cols``: a ``gl.arange`` would be
+hoisted by LLVM and hold 16 registers through the loop), with two per-key bounds computed once
+(`_query_range_of_keys`); the epilogue decodes the tile row again (through `_opaque_program_id`, and with one
+consumer `_opaque_num_programs`) instead of keeping its scalars.
 
-Tail blocks (``m_start + BLOCK_M > len_q``, at most one per query head, the same steps for both
-consumers): consumer 0 zeroes the slot's Q rows past ``len_q``, consumer 1 its dO rows
-(`varlen_fwd_gluon._zero_v_tail`: generic stores, ``fence.proxy.async``, a barrier over the
-partition), then both arrive on ``zero_bar`` (count 2) and wait for it, so neither issues a wgmma
-on the slot before both halves are zero. Both count the tail steps (``ntail``) and wait with parity
-``ntail & 1``; neither can arrive twice before the other has arrived once (each waits for the phase
-it arrived on), so one barrier serves every tail step, and the slot cannot be refilled before both
-consumers release it. lse / delta past ``len_q`` are not read and land as 0 (cp.async zero fill):
-those query columns then get finite P^T (1 in the unmasked band, 0 in masked blocks, whose mask
-includes ``q < len_q``) and dP^T = dS^T = 0, and their Q / dO rows are zero, so they add nothing.
+Tail step (``m_start + BLOCK_M > len_q``, at most one per query head, the same steps in every consumer): with
+two consumers, consumer 0 zeroes the slot's Q rows past ``len_q`` and consumer 1 its dO rows
+(`common_sm90._zero_v_tail`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``
+(``ntail``: tail steps so far); neither can arrive twice before the other arrived once. With one consumer it
+zeroes both, with no rendezvous. lse / delta past ``len_q`` land as 0 (cp.async zero fill): those columns get
+finite P^T and zero Q / dO rows, so they add nothing.
 
-A tile with ``total == 0`` loads nothing and stores zeros.
+``TREE``: the sequence is a packed trie (one sequence of ``total`` rows), key ``s`` visible to the queries
+``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only the per-key bounds change
+(`_query_range_of_tree_keys`); tables (`packattn.ops.tree.tables.build_key_tiles`), band, tails and schedule
+are the varlen ones.
 
-``TREE`` (`packattn.backends.triton_tree`): the sequence is a packed trie (`packattn.Tree`, one
-sequence of ``total`` rows: ``cu_seqlens = [0, total]``, row offsets 0), key ``s`` visible to the
-queries ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only the per-key bounds
-change (`_query_range_of_tree_keys` instead of `_query_range_of_keys`); the tile table
-(`triton_tree.build_key_tiles`: the queries ``[k_start, max key_end)`` of the tile, the band where
-every pair is visible), the unmasked band, the tails and the schedule are the varlen ones.
-
-ONE CONSUMER (``BLOCK_N = 64``, config ``num_warps = 4``, e.g. ``$PACKATTN_GLUON_DKDV_CONFIG=32,64,3,4,ws``;
-``CONSUMERS = BLOCK_N // 64``, a constexpr of the same kernel): consumer 0 alone, in the default
-partition, with the 1-warp producer as the only worker (padded to a warp group at launch: 8 warps).
-Sized for TWO CTAs per SM, so that one CTA's prologue (K / V TMA, first ring slots) and epilogue
-(dK / dV stores) hide behind the other's steps, and the causal diagonal wastes less (short documents,
-e.g. W8's 512-token ones: ~5 steps per 128-key tile): shared memory <= ~113 KB (d = 128: K / V 32
-KB, Q / dO 16 KB per stage of 32 queries), registers from `triton_fwd_gluon.ws_split` (2 CTAs x 8 warps:
-maxnreg 128, the consumer 232, the producer 24). At d = 128, 64 queries per step use 230 of the 232,
-and only because the epilogue's decode reads the grid size through `_opaque_num_programs` (shared
-with the first decode, the section size stays live across the loop and spills 4 B); ``BLOCK_M =
-32`` (S^T and dP^T 16 registers each) leaves room (~200-206 used). Differences to two consumers:
-``empty`` has count 1; the tail steps' Q and dO rows are both zeroed by consumer 0 (`_zero_v_tail`
-fences and synchronises its own warp group, whose wgmma are the only readers), with no
-``zero_bar`` rendezvous (the barrier is not allocated); one query-position table; the producer is
-unchanged (K / V tiles of ``BLOCK_N`` rows, the descriptors' block shape). Not with ``PERSISTENT``
-(static_assert; `triton_bwd_gluon.check_dkdv_ws_config` refuses such a config).
-
-``PERSISTENT`` (a grid smaller than ``num_work = tiles x kv heads``, as the warp-specialised forward
-runs it): every partition walks the work items ``pid, pid + nprog, ...`` (`_dkdv_tile` with
-``num_work`` as the item count, so the head sections are the one-program-per-item ones) and skips
-the items with ``total == 0`` identically: no load, no barrier operation, the consumers just store
-zeros (``seq >= 0``). Ring steps are counted over all the items of the program (``step``), so the
-ring's slots and parities run on across items, and the producer fills an item's first ``STAGES``
-slots while the consumers finish the previous item. K / V get a release barrier, ``kv_empty``
-(count 2): each consumer arrives once the last wgmma of an item is done, and the producer waits for
-it (parity of its K / V loads so far, ``^ 1``) before the next item's K / V TMA, which it issues
-after that item's first ``STAGES`` steps. The epilogue then no longer stages through K / V: dK / dV
-go to global memory straight from the accumulators (`_store_rows_direct`), so the next item's K / V
-land during this item's epilogue. A consumer waits on ``kv_bar`` with the parity of the K / V tiles
-it consumed; neither barrier can run two phases ahead of its waiter (the producer loads K / V j + 1
-only after both consumers released K / V j, which they did after waiting for it). Registers: a
-persistent consumer keeps its item, its K / V parity and its tail parity in one state word
-(`ITEM_MASK`; hence ``num_work + grid < 2**30``), reads the grid size, ``num_work`` and the window
-arguments through opaque inline asm (`_opaque`), and consumer 0 zeroes both tails (Q and dO rows):
-otherwise LLVM hoists loop invariants of the item prologue / epilogue out of the persistent loop
-and the steps, at 238 of 240 registers, spill.
+Shared memory (contract with `packattn.ops.varlen.launch_sm90.dkdv_shared_bytes`): K and V of the tile, the
+(Q, dO) ring, lse / delta per slot, the query-position tables, the mbarriers; one consumer at d = 128 with
+(64, 64, 2 stages) stays under ~113 KB so that two CTAs share an SM.
 """
 
 from triton.experimental import gluon
@@ -131,7 +78,7 @@ WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per
 @gluon.jit
 def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: `varlen_bwd_gluon._visible_t` solved for
+    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: the visibility of `bwd_sm90._aligned_range_of_keys` solved for
     ``q`` once per consumer (``aligned = q + shift`` with ``shift = 0`` top-left, ``len_kv - len_q``
     bottom-right; ``q < len_q``), so that a masked block compares its query positions with two
     per-key bounds: no per-block key arithmetic, no loop-invariant per-query vectors for LLVM to
@@ -168,7 +115,7 @@ def _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chun
 @gluon.jit
 def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M: gl.constexpr,
                 s_layout: gl.constexpr):
-    """`varlen_bwd_gluon._probs_t` with the per-key bounds of `_query_range_of_keys`. ``cols``: shared
+    """``P^T = exp2(S^T c - lse log2e)`` with the per-key bounds of `_query_range_of_keys`. ``cols``: shared
     memory holding ``0 .. BLOCK_M-1``; the column positions are loaded from it in masked blocks, because
     LLVM hoists a ``gl.arange`` out of the loop and keeps its 16 values per thread live throughout."""
     p_t = gl.exp2(s_t * qk_scale_log2 - lse_log2[None, :])
@@ -185,9 +132,7 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMERS: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
-    docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight. ``PERSISTENT``: ``ntail`` is the
-    consumer's state word (`_tail_phase`), and consumer 0 zeroes both tails (Q and dO rows): a
-    tail address held by consumer 1 across the persistent loop would be one register too many.
+    docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight (``ntail``: tail steps so far).
     ``CONSUMERS == 1``: the only consumer zeroes both tails, no ``zero_bar`` rendezvous (``ntail``
     unchanged)."""
     slot = it % STAGES
@@ -242,9 +187,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                   TREE: gl.constexpr, CONSUMERS: gl.constexpr):
     """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
-    K / V have landed (``kv_bar`` phase ``kv_phase``). Without ``PERSISTENT`` the query-position
-    table is filled here (the persistent loop fills it once); with it ``ntail`` is the consumer's
-    state word (`_dkdv_ws_step`). Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
+    K / V have landed (``kv_bar`` phase ``kv_phase``); the query-position table is filled first. Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
     offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
     q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
@@ -266,7 +209,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
 def _store_dkdv(dk, dv, dK, dV, dk_stage, dv_stage, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
                 stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM: gl.constexpr):
     """Store this consumer's rows ``first_key ...`` (those before ``len_kv``) of dV and ``dK * scale``,
-    staged through ``dv_stage`` / ``dk_stage`` (`varlen_bwd_gluon._store_tile`)."""
+    staged through ``dv_stage`` / ``dk_stage`` (`bwd_sm90._store_tile`)."""
     row0_kv64 = row0_kv.to(gl.int64)
     _store_tile(dv, dv_stage, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key,
                 len_kv, stride_dv_row, WG_KEYS, HEAD_DIM, 4)

@@ -1,8 +1,7 @@
-"""The load side of the warp-specialised dK/dV kernel (`packattn.ops.varlen.bwd_dkdv_sm90`, whose
-module docstring describes the partitions, barriers and the persistent mode): the work-item decode
-every partition shares (`_dkdv_tile`), the persistent partitions' state word, and the 1-warp
-producer partition (K / V per work item by TMA; per ring step Q and dO by TMA and the queries' lse /
-delta by cp.async into the slot).
+"""The load side of the warp-specialised dK/dV kernel (`packattn.ops.varlen.bwd_dkdv_sm90`, whose module
+docstring describes the partitions and barriers): the work-item decode every partition shares (`_dkdv_tile`)
+and the 1-warp producer partition (K / V of the tile by TMA onto ``kv_bar``; per ring step Q and dO by TMA and
+the queries' lse / delta by cp.async into the slot, all tracked by the slot's ``ready``).
 """
 
 from triton.experimental import gluon
@@ -19,7 +18,7 @@ def _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
                group_size, heads_per_section, BLOCK_M: gl.constexpr):
     """Decode work item ``w`` of ``num_items`` (key tile, kv head) (`_section_order`: sections of
     ``heads_per_section`` kv heads, heads fastest inside a section; ``w`` the program id and
-    ``num_items`` the grid without ``PERSISTENT``). Every partition calls it, so all agree on
+    ``num_items`` the grid). Every partition calls it, so all agree on
     ``total`` (0 for an unused row, ``seq < 0``)."""
     tile, kv_head = _section_order(w, heads_per_section, num_items // num_heads_kv * heads_per_section)
     seq, k_start, m_lo, m_mid_lo, m_mid_hi, m_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(

@@ -1,145 +1,49 @@
 """Warp-specialised dQ backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Same contract as `packattn.ops.varlen.bwd_sm90.varlen_bwd_dq_gluon_kernel` (read its module
-docstring): one program per (query tile of ``BLOCK_M = 128`` queries -- or 64, ONE CONSUMER below --,
-query head), tile-table rows ``[seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi]`` built by
-``tile_table(seqs, mask, False, BLOCK_M, BLOCK_N)``, key blocks ``n_lo + j * BLOCK_N`` of ``[n_lo,
-n_hi)`` in order; kv head ``head // group_size``; the element mask only outside the fully visible
-band ``[n_mid_lo, n_mid_hi)``; K / V rows past ``len_kv`` zeroed in shared memory before a wgmma
-reads them; dQ (times ``scale``) stored for rows inside the sequence only; no atomics
-(deterministic); queries that see no key get dQ = 0.
-Selected by ``GluonBwdConfig.warp_specialize`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws``) in
-`packattn.ops.varlen.launch_sm90_bwd`. The partitions, barriers and register split are those of
-`packattn.ops.varlen.bwd_dkdv_sm90` (dK/dV) with the roles of queries and keys swapped.
+Computes dQ (times ``scale``) under the contract of `packattn.ops.varlen.bwd_sm90` (module docstring): one
+program per (query tile of ``BLOCK_M`` queries, query head) in head sections, tile-table rows ``[seq, q_start,
+n_lo, n_mid_lo, n_mid_hi, n_hi]`` from ``tile_table(seqs, mask, False, BLOCK_M, BLOCK_N)``, key blocks ``n_lo +
+j * BLOCK_N`` in order, kv head ``head // group_size``; queries that see no key get dQ = 0; a tile without key
+blocks loads nothing and stores zeros. The partitions and barriers mirror `packattn.ops.varlen.bwd_dkdv_sm90`
+with queries and keys swapped; the decode and the producer are in `packattn.ops.varlen.bwd_dq_sm90_load`,
+DELTA_FROM_O in `packattn.ops.varlen.bwd_dq_sm90_delta`. `_dq_ws_step` and `_dq_ws_buffers` also serve the tree
+dQ (`packattn.ops.tree.dq_sm90`).
 
-Partitions (launched with ``num_warps = 4``: the default partition is consumer 0, plus a 4-warp
-worker for consumer 1 and a 1-warp producer; 9 warps, the register file sized for 12: consumers
-240 registers each, producer 24, `triton_bwd_gluon.dq_ws_resources`)::
+Partitions (launched with ``num_warps = 4``; ``CONSUMERS = BLOCK_M // 64``, the default partition is consumer
+0, a 4-warp worker is consumer 1 when there are two, plus a 1-warp producer)::
 
-    producer (1 warp)                        consumer c in {0, 1} (4 warps each)
-    TMA Q, dO (128 rows) -> q_bar            queries [64 c, 64 c + 64) of the tile: own Q / dO
-    for j in 0 .. num_blocks-1:              rows, own dQ accumulator, own lse / delta (2 + 2
-      wait empty[j % S] (parity ^ 1)         registers per thread: rows of the accumulator layout)
-      expect + TMA K[j], V[j] -> ready[j % S]   wait q_bar; for j: step(j) (below); store dQ * scale
-                                             (staged in its own Q rows)
+    producer (1 warp)                        consumer c (4 warps)
+    TMA Q, dO (BLOCK_M rows) -> q_bar        queries [64 c, 64 c + 64): own Q / dO rows, own dQ, own lse /
+    for j in 0 .. num_blocks-1:              delta (loaded once before the loop); wait q_bar
+      wait empty[j % S] (parity ^ 1)         for j: step(j); store dQ * scale (staged in its own Q rows)
+      expect + TMA K[j], V[j] -> ready[j % S]
 
-How producer and consumers agree on ring slots and parities: `varlen_bwd_gluon_dq_ws_producer` (module docstring).
+Step ``j`` of one consumer with ``CARRY_DS`` (``STAGES >= 3``; dS[j] crosses the back edge as a register A
+operand, no wgmma does)::
 
-Step ``j`` of one consumer, ``CARRY_DS`` (``STAGES >= 3``: the schedule of the non-specialised
-kernel; dS[j] crosses the loop's back edge as a register A operand, no wgmma does)::
-
-    wait   ready[j % S]; tail block only: zero rendezvous (below)
-    issue  S[j]  = Q K[j]^T                        (async)
-    issue  dP[j] = dO V[j]^T                       (async)
-    issue  dQ   += dS[j-1] K[j-1]                  (async; three groups in flight)
-    wait   until 2 pending                         (S[j] done)
+    wait   ready[j % S]; tail block only: zero the rows past len_kv (below)
+    issue  S[j] = Q K[j]^T, dP[j] = dO V[j]^T, dQ += dS[j-1] K[j-1]   (async; three groups in flight)
+    wait   until 2 pending                   (S[j] done)
     P[j] = exp2(S c - lse log2e), masked off the band   (dP[j], dQ[j-1] run)
-    wait   until 1 pending                         (dP[j] done; dQ[j-1] runs)
-    dS[j] = P (dP - delta) -> A operand            (dQ[j-1] runs)
+    wait   until 1 pending                   (dP[j] done)
+    dS[j] = P (dP - delta) -> A operand      (dQ[j-1] runs)
     wait   until 0 pending; arrive empty[(j-1) % S]   (K[j-1] was last read by dQ[j-1])
 
-after the loop: dQ += dS[last] K[last], wait, arrive empty[last % S]. Slot ``j % S`` is held
-through step ``j + 1``, so the producer refills it with block ``j - 1 + S``: ``STAGES = 4`` keeps two
-blocks of prefetch. Without ``CARRY_DS`` (``STAGES = 2``, e.g. ``BLOCK_N = 128`` at d = 128, where a
-third 64 KB slot does not fit): issue S[j], dP[j]; wait until 1 pending; P[j] (dP[j] runs); wait
-until 0 pending; dS[j]; dQ += dS[j] K[j]; wait; arrive empty[j % S] -- the dQ product is exposed
-inside a consumer, the other consumer's elementwise work fills it (no CTA barrier in the loop:
-only the ``empty`` slots and the tail rendezvous tie the two warp groups, so they drift out of
-phase).
+after the loop: dQ += dS[last] K[last], wait, arrive ``empty[last % S]``. Slot ``j % S`` is held through step
+``j + 1``, so ``STAGES = 4`` keeps two blocks of prefetch. Without ``CARRY_DS`` (``STAGES = 2``): issue S[j],
+dP[j]; wait until 1 pending; P[j]; wait until 0; dS[j]; dQ += dS[j] K[j]; wait; arrive ``empty[j % S]``.
+The consumers are tied only by ``empty`` and the tail rendezvous (no CTA barrier in the loop).
 
-Registers (d = 128, per consumer thread): dQ 64; at ``BLOCK_N = 64`` S and dP 32 each, the P / dS
-operands 16 each: far below 240. lse / delta / query positions are per row (2 registers each in
-the accumulator layout), loaded once before the loop.
+Tail block (``n_start + BLOCK_N > len_kv``; at most one per tile, the same step in every consumer): with two
+consumers, consumer 0 zeroes the slot's K rows past ``len_kv`` and consumer 1 its V rows
+(`common_sm90._zero_v_tail`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``;
+with one consumer it zeroes both, with no rendezvous (``zero_bar`` not allocated). Query rows past ``len_q``
+only produce dQ rows that are never stored.
 
-Tail block (``n_start + BLOCK_N > len_kv``; at most one per tile, the same step for both consumers):
-consumer 0 zeroes the slot's K rows past ``len_kv``, consumer 1 its V rows
-(`varlen_fwd_gluon._zero_v_tail`: generic stores, ``fence.proxy.async``, a barrier over the
-partition), then both arrive on ``zero_bar`` (count 2) and wait for it (parity ``ntail & 1``,
-``ntail`` the tail steps so far), so neither issues a wgmma on the slot before both halves are zero;
-the slot cannot be refilled before both consumers release it. Query rows past ``len_q`` (in Q / dO
-as TMA read them) only produce dQ rows that are never stored.
-
-A tile with ``num_blocks == 0`` loads nothing and stores zeros (``seq < 0``: stores nothing).
-
-ONE CONSUMER (``BLOCK_M = 64``, config ``num_warps = 4``, e.g. ``$PACKATTN_GLUON_DQ_CONFIG=64,64,2,4,ws``;
-``CONSUMERS = BLOCK_M // 64``, a constexpr of the same kernel), as the one-consumer dK/dV
-(`varlen_bwd_gluon_ws`, ONE CONSUMER): consumer 0 alone, in the default partition, with the 1-warp
-producer as the only worker (padded to a warp group at launch: 8 warps, ``.reqntid 256``). Sized for
-TWO CTAs per SM, so that one CTA's prologue (Q / dO TMA, first ring slots, lse / delta loads) and
-epilogue (dQ stores) hide behind the other's steps -- short documents, whose tiles have few key
-blocks: shared memory <= ~113 KB (Q / dO 32 KB at d = 128 and each (K, V) slot of 64 keys 32 KB: 96 KB
-at 2 stages; d = 64 half of it), registers from `triton_fwd_gluon.ws_split` (2 CTAs x 8 warps: maxnreg
-128, the consumer 232, the producer 24). Differences to two consumers, all decided by the constexpr:
-
-* ``empty[slot]`` has count 1: the consumer's one arrival per ring step (after the wgmma that last read
-  the slot: ``dQ[j-1]`` with ``CARRY_DS``, ``dQ[j]`` without) releases the slot; ring slots, parities
-  and the producer are otherwise unchanged (``q_desc`` / ``do_desc`` blocks of ``BLOCK_M = 64`` rows,
-  so ``q_bar``'s expected bytes are those of the 64-row tiles).
-* Tail block: the consumer zeroes both the K and the V rows past ``len_kv`` (two `_zero_v_tail`, each
-  ending with ``fence.proxy.async`` and a barrier over this warp group, the slot's only reader) before it
-  issues the S / dP wgmma; no ``zero_bar`` rendezvous (the barrier is not allocated; ``ntail`` stays 0).
-* One query block of 64 rows: ``q_wg`` / ``do_wg`` are the whole Q / dO buffers; the epilogue stages dQ
-  through them as before.
-* Not with ``PERSISTENT`` (static_assert; `triton_bwd_gluon.check_dq_ws_config` refuses such a config).
-
-The two-consumer code is unchanged by this (PTX identical for the existing configs, persistent and tree
-included, ``.loc`` / debug sections aside). sm_90a compile (scripts/check_gluon_bwd_compile.py --kernels
-dq --config 64,64,2,4,ws, ...): every mask, bf16 / fp16, no spills, no ptxas warnings, the overlap check
-passes; consumer registers used (of 232) and shared memory per CTA: d = 128, (64, 64, 2 stages) 175-183,
-98540 B; d = 64, (64, 64, 2 / 3 / 4 stages) 137-147 / 142-152 / 142-152, 49388 / 65804 / 82188 B, (64,
-128, 2 stages) 203-217, 82156 B. At d = 128, (64, 64, 3 / 4 stages) and (64, 128, 2 stages) take 128-160
-KB: one CTA per SM, for which `ws_split` gives maxnreg 256 and ptxas warns ("Too many maxnreg", ignored);
-no spills there either (196-204 / 192-197 / 240-249 of 256), but they defeat the purpose and are not
-listed in `triton_bwd_gluon.DQ_WS_ALTERNATIVES`. On GPUs since the ninth session: the short-batch dQ at d = 128
-(`triton_bwd_gluon.DQ_SHORT_CONFIGS`).
-
-DELTA FROM O (constexpr ``DELTA_FROM_O``, never with ``PERSISTENT``): the kernel computes delta = rowsum(dO O)
-itself (from an O tile the producer loads with Q / dO) and writes it, instead of reading the preprocess's; see
-`varlen_bwd_gluon_dq_delta`.
-
-``PERSISTENT`` (``$PACKATTN_GLUON_DQ_CONFIG=128,64,4,8,ws,persistent``; a grid of ``ctas_per_sm x
-SMs`` programs, `triton_fwd_gluon.ws_grid`, smaller than ``num_work = tiles x query heads``), as the
-persistent warp-specialised dK/dV (`varlen_bwd_gluon_ws`) runs it: every partition walks the work
-items ``pid, pid + nprog, ...`` (`_work_item` with ``num_work`` as the item count, so the head
-sections and the item each program gets are the one-program-per-item ones) and skips the items with
-``num_blocks == 0`` identically: no load, no barrier operation, the consumers just store zeros
-(``seq >= 0``). Per item the consumers run exactly the non-persistent tile: the same lse / delta,
-the same key blocks in the same order, the same wgmma and elementwise steps (`_dq_ws_blocks`), and
-store the same float32 ``dq * scale`` cast to the output dtype to the same rows, only straight from
-the accumulator registers (`varlen_bwd_gluon_ws._store_rows_direct`) instead of staged through Q's
-buffer: dQ is bitwise the non-persistent kernel's. Barrier phases across items:
-
-* ``ready`` / ``empty`` (the K / V ring): ring steps are counted over all the items of the program
-  (``step``: the blocks of the program's earlier items), so item ``i``'s block ``b`` is ring step
-  ``j = step + b`` in all three partitions, slot ``j % STAGES``, ``ready`` parity ``(j // STAGES) & 1``,
-  ``empty`` parity (producer) that ``^ 1``: the ring runs on across items as if they were one tile,
-  and the producer fills the next item's first ``min(num_blocks, STAGES)`` slots while the consumers
-  finish this item (those waits need only this item's releases).
-* ``q_bar`` / ``q_empty`` (Q and dO, one buffer): the consumers wait ``q_bar`` with the parity of the
-  Q / dO tiles they consumed so far, and after the item's last wgmma each arrives on ``q_empty``
-  (count 2); the producer waits ``q_empty`` with the parity of its Q / dO loads so far ``^ 1`` (the
-  first wait passes on the fresh barrier) before the next item's Q / dO TMA, which it issues after
-  that item's first ``STAGES`` K / V blocks. Neither barrier runs two phases ahead of its waiter:
-  the producer loads Q / dO ``k + 1`` only after both consumers released ``k``, which each did after
-  waiting for it. The output no longer stages through Q's rows, so the next item's Q / dO land
-  during this item's epilogue.
-* ``zero_bar`` (tail rendezvous): both consumers see the same tail steps (at most one per item, the
-  same items and blocks), and each waits with the parity of the tail steps it took so far, now
-  counted over the items (bit 31 of its state word) instead of restarting at 0 per tile; neither can
-  arrive twice before the other arrived once (each waits for the phase it arrived on).
-
-Registers: a persistent partition keeps its item, its Q / dO parity and (consumers) its tail parity
-in one state word (`varlen_bwd_gluon_ws_load.ITEM_MASK`: bits 0..29 the item, bit 30 the Q / dO
-parity, bit 31 the tail parity; hence ``num_work + grid < 2**30``) and reads the grid size,
-``num_work`` and (consumers) the window arguments through opaque inline asm
-(`varlen_fwd_gluon_ws._opaque`; the lse stride and the dQ strides as ``stride + 16 * z``, ``z`` an
-opaque 0), so that LLVM does not hoist item-prologue / epilogue values out of the persistent loop to
-the kernel entry (shared by all partitions: ptxas spills what lives from there into a consumer) or
-into registers held across the steps; the epilogue decodes the item again from an opaque copy of the
-state. sm_90a compile (scripts/check_gluon_bwd_compile.py --kernels dq --config
-128,64,4,8,ws,persistent, also 128,64,3,...): no spills for any mask, bf16 / fp16, d 64 / 128 (at d =
-128 consumers ~190 of 240 registers); 128,128,2,8,ws,persistent spills 4 B at d = 128 with the
-left + chunk + right mask (the non-persistent kernel is at 238 of 240 there already).
+Budget (contract with `packattn.ops.varlen.launch_sm90.dq_shared_bytes` / `dq_resources`): two consumers
+(128-query tiles) at one CTA per SM, 240 registers per consumer thread (d = 128: dQ 64, S and dP 32 each at
+``BLOCK_N = 64``, the P / dS operands 16 each); one consumer (64-query tiles) with <= ~113 KB of shared
+memory at two CTAs per SM, 232 registers (the short-batch dQ at d = 128).
 """
 
 from triton.experimental import gluon
@@ -159,7 +63,7 @@ WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 
 @gluon.jit
 def _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, ends, qk_scale_log2, BLOCK_N: gl.constexpr,
                 s_layout: gl.constexpr):
-    """`varlen_bwd_gluon._probs` with the tree mask (`packattn.ops.tree.kernels_triton`): query ``t`` sees key ``s``
+    """`bwd_sm90._probs` with the tree mask (`packattn.ops.tree.kernels_triton`): query ``t`` sees key ``s``
     iff ``s <= t < key_end[s]``; ``ends``: shared memory holding ``key_end`` of the block's keys (0 past
     the tree: no query sees them), read only in masked blocks."""
     p = gl.exp2(s * qk_scale_log2 - lse_log2[:, None])
@@ -184,7 +88,7 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     under this block's work and return this block's dS as an A operand; otherwise finish this block's
     dQ product here. ``TREE``: the tree mask (`_probs_tree`, ``key_ends``: the ring of the blocks'
     ``key_end``), else the varlen masks (``key_ends`` unused). ``CONSUMERS
-    == 1`` (module docstring, ONE CONSUMER): the only consumer zeroes both tails (K and V rows), no
+    == 1`` (module docstring): the only consumer zeroes both tails (K and V rows), no
     ``zero_bar`` rendezvous (``ntail`` unchanged). Returns ``(dq, ds, ntail)`` with no wgmma in flight.
     ``DELTA_FROM_O`` (the tile's first step; ``delta`` is None): delta = rowsum(dO O) from
     ``do_wg`` / ``o_wg`` while the S and dP wgmma run, stored to ``delta_ptr[i]`` for ``i < delta_rows``
@@ -254,7 +158,7 @@ def _dq_ws_blocks(step, num_blocks, n_lo, n_mid_lo, n_mid_hi, dq, ntail, q_wg, d
     n_mid_hi)``) as ring steps ``step + b`` of one consumer warp group: with
     ``CARRY_DS`` (``STAGES >= 3``) dS crosses from block to block and the last dQ product is finished
     (and its slot released) here. Returns ``(dq, ntail)``, no wgmma in flight. (The tree kernel,
-    `tree_dq_gluon_ws`, walks its intervals with its own loop around `_dq_ws_step`.) ``DELTA_FROM_O``
+    `packattn.ops.tree.dq_sm90`, walks its intervals with its own loop around `_dq_ws_step`.) ``DELTA_FROM_O``
     (``delta`` None): the first step computes delta from ``do_wg`` / ``o_wg`` and stores it
     (`_dq_ws_step`), the other steps use it; without ``CARRY_DS`` that first step is peeled off the loop."""
     CARRY_DS: gl.constexpr = STAGES >= 3
@@ -393,7 +297,7 @@ def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                    CONSUMERS: gl.constexpr = 2):
     """Shared memory and barriers of a warp-specialised dQ kernel (this module's and the tree's,
-    `tree_dq_gluon_ws`, which always has two consumers), initialised: ``(q_smem, do_smem, k_bufs,
+    `packattn.ops.tree.dq_sm90`, which always has two consumers), initialised: ``(q_smem, do_smem, k_bufs,
     v_bufs, q_bar, zero_bar, ready, empty)``; ``empty`` counts the ``CONSUMERS`` consumer warp groups,
     ``zero_bar`` is the two consumers' tail rendezvous (with one consumer not allocated: ``q_bar`` is
     returned in its place, unused)."""

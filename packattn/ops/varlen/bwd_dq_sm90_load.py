@@ -1,22 +1,13 @@
-"""The load side of the warp-specialised dQ kernel (`packattn.ops.varlen.bwd_dq_sm90`, whose
-module docstring describes the partitions, barriers and the persistent mode; DELTA FROM O:
-`varlen_bwd_gluon_dq_delta`): the work-item decode every partition shares (`_dq_tile`), the persistent
-partitions' Q / dO parity bit, and the 1-warp producer partition (per tile Q and dO -- and O with
-``DELTA_FROM_O`` -- by TMA, then the key blocks into the K / V ring).
+"""The load side of the warp-specialised dQ kernel (`packattn.ops.varlen.bwd_dq_sm90`, whose module docstring
+describes the partitions and barriers): the work-item decode every partition shares (`_dq_tile`) and the 1-warp
+producer partition (per tile Q and dO -- and O with ``DELTA_FROM_O`` -- by TMA on ``q_bar``, then the key
+blocks into the K / V ring).
 
-Producer and consumers decode the same tile-table row (`varlen_fwd_gluon_ws._work_item`, ``num_blocks
-= 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot
-``j % STAGES`` and parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` has count 2 (``CONSUMERS``): both
-consumers read the same K / V slot; the producer's first ``STAGES`` waits (parity 1 on fresh barriers) pass
-at once.
-
-DELTA FROM O (`varlen_bwd_gluon_dq_delta`), the producer's part:
-
-* Producer: the tile's O rows (``o_desc``: the ``(rows, heads * d)`` view of O, blocks ``[BLOCK_M, HEAD_DIM]``
-  as ``do_desc``) into ``o_smem`` (one more ``[BLOCK_M, HEAD_DIM]`` buffer: 16 / 32 KB for one / two consumers at
-  d = 128) with Q and dO on ``q_bar``: one ``expect`` of the three blocks' bytes (3 x BLOCK_M x HEAD_DIM x 2:
-  49152 for one consumer at d = 128), three TMA copies. ``q_bar`` completes one phase per program (one tile),
-  the consumers wait parity 0, as without O.
+Producer and consumers decode the same tile-table row (`packattn.ops.varlen.fwd_sm90._work_item`, ``num_blocks
+= 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot ``j % STAGES`` and
+parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` counts one arrival per consumer; the producer's first
+``STAGES`` waits (parity 1 on fresh barriers) pass at once. With ``DELTA_FROM_O`` one ``expect`` covers the
+bytes of the three ``[BLOCK_M, HEAD_DIM]`` blocks (Q, dO, O); ``q_bar`` completes one phase per program.
 """
 
 from triton.experimental import gluon

@@ -1,79 +1,51 @@
-"""Backward flash attention over packed (THD) sequences for Hopper (sm_90a), written in Gluon.
+"""Gluon backward for Hopper (sm_90a): the pieces the backward kernels share, and the dQ kernel without warp
+specialisation (`varlen_bwd_dq_gluon_kernel`, the Gluon dQ at head dim 64).
 
-Same contract as `packattn.ops.varlen.bwd_triton` (`bwd_dkdv_kernel`, `bwd_dq_kernel`): tile-table rows
-``[seq, start, lo, mid_lo, mid_hi, hi]``, ``cu_seqlens`` / ``row_offsets`` meaning, masks, GQA,
-``lse`` float32 natural log with ``-inf`` for rows that see no key (P = 0 there), ``delta`` from
-`triton_varlen.bwd_delta`, outputs in the input dtype, only rows inside a sequence written, no
-atomics (every output element is summed by one program in a fixed order: deterministic). With
-``P = exp2(S * scale * log2e - lse * log2e)``: ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
-``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+Contract of every Gluon backward kernel (as `packattn.ops.varlen.bwd_triton`): tile-table rows ``[seq, start,
+lo, mid_lo, mid_hi, hi]``, masks, GQA, ``lse`` float32 natural log with ``-inf`` for rows that see no key
+(P = 0 there), ``delta`` from the preprocess (or computed, DELTA_FROM_O), outputs in the input dtype, only rows
+inside a sequence written, no atomics (each output element is summed by one program in a fixed order:
+deterministic). With ``P = exp2(S * scale * log2e - lse * log2e)``: ``dV = P^T dO``, ``dS = P * (dO V^T -
+delta)``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 
-Triton 3.6 waits for every wgmma right after issuing it; here the waits are placed by hand so the
-tensor cores work while the warp group computes exponentials and dS (FlashAttention-3's
-intra-warpgroup overlap), with the idioms of `packattn.ops.varlen.common_sm90`: accumulators in
-``NVMMADistributedLayout`` v3 with ``warps_per_cta = [num_warps, 1]`` (a warp group per 64 rows),
-operands in NVMMA-swizzled shared memory filled by TMA through 2-D descriptors over the
-``(rows, heads * head_dim)`` views, one mbarrier per ring slot, register A operands for the
-second-level products, and no wgmma in flight across a loop's back edge (ptxas serialises every
-wgmma of the kernel otherwise, warning C7514).
+`varlen_bwd_dq_gluon_kernel`: one program per (query tile of ``BLOCK_M = 16 * num_warps`` queries, query head);
+Q and dO loaded once, (K, V) blocks through a ``STAGES``-slot TMA ring (one mbarrier per slot). Step ``j``
+enters with dS[j-1] as a register A operand and no wgmma in flight::
 
-dK/dV (`varlen_bwd_dkdv_gluon_kernel`): one program per (key tile of ``BLOCK_N = 16 * num_warps``
-keys, kv head). K and V are loaded once; (Q, dO) blocks of ``BLOCK_M`` queries stream through a
-``STAGES``-slot TMA ring, over the GQA group's query heads in order and, per head, over the query
-blocks ``[lo, hi)`` of the tile. Iteration ``j`` enters with dS^T[j-1] (the A operand of the
-previous block's dK product, in registers) and no wgmma in flight::
+    issue  S[j] = Q K[j]^T, dP[j] = dO V[j]^T, dQ += dS[j-1] K[j-1]   (async; three groups in flight)
+    wait   until 2 pending                 (S[j] done)
+    P[j] = exp2(S c - lse log2e), masked off the band   (dP[j], dQ[j-1] run)
+    wait   until 1 pending                 (dP[j] done)
+    dS[j] = P (dP - delta) -> A operand    (dQ[j-1] runs)
+    wait   until 0 pending; CTA barrier; TMA block j-1+STAGES into block j-1's slot
 
-    issue  S^T[j]  = K Q[j]^T                  (async)
-    issue  dP^T[j] = V dO[j]^T                 (async)
-    issue  dK     += dS^T[j-1] Q[j-1]          (async; three groups in flight)
-    wait   until 2 pending                     (S^T[j] done)
-    P^T[j] = exp2(S^T c - lse log2e), masked   (overlaps dP^T[j] and dK[j-1] on the tensor cores)
-    issue  dV     += P^T[j] dO[j]              (async)
-    wait   until 1 pending                     (dP^T[j], dK[j-1] done; dV[j] runs)
-    dS^T[j] = P^T[j] (dP^T[j] - delta)         (overlaps dV[j])
-    wait   until 0 pending
-    CTA barrier; TMA block j-1+STAGES into block j-1's slot (its Q was last read by dK[j-1])
+The last block's dQ product is issued after the loop. ``STAGES >= 3`` keeps one block of prefetch. K and V
+rows past ``len_kv`` in the (at most one) block that crosses the sequence end are zeroed in shared memory
+before any wgmma reads them (0 * NaN from padding would poison valid rows); query rows past ``len_q`` only
+produce dQ rows that are never stored.
 
-Only S^T[j] finds the warp group idle; dP^T, dK and dV run under the elementwise work. The last
-block's dK product is issued after the loop. ``STAGES >= 3`` keeps one block of prefetch (the
-slot of block ``j-1`` is refilled at the end of iteration ``j``).
-
-dQ (`varlen_bwd_dq_gluon_kernel`): one program per (query tile of ``BLOCK_M = 16 * num_warps``
-queries, query head); Q and dO loaded once, (K, V) blocks through the ring, the same schedule
-with the roles swapped: issue S[j] = Q K[j]^T, dP[j] = dO V[j]^T, dQ += dS[j-1] K[j-1]; wait for
-S[j]; P[j] (overlaps dP[j], dQ[j-1]); wait for dP[j]; dS[j] (overlaps dQ[j-1]); wait for all.
-
-Rows past a sequence's end are read by TMA as they are (the next sequence's rows, padding that
-may hold NaN, or zeros past the tensor). Rows of the *reduction* side are zeroed in shared memory
-in the (at most one per head) block that crosses the sequence end, before any wgmma reads them:
-Q and dO rows past ``len_q`` in the dK/dV kernel, K and V rows past ``len_kv`` in the dQ kernel
-(0 * NaN inside a product would otherwise poison valid rows). Rows of the program's own side
-(keys of a dK/dV tile, queries of a dQ tile) past the end only produce output rows that are never
-stored, so they are left alone.
-
-Registers (the limit of this design): dK + dV of a dK/dV tile hold ``head_dim`` float32 registers per
-thread whatever the tile, so at d = 128 the pipelined step fits 255 registers without spills only
-with 32-query blocks (64-query blocks spill ~300 B, as the Triton kernel does). To stay there, the
-per-query vectors of the transposed tiles (lse, delta) are loaded from one scalar base with 32-bit
-offsets, delta only once P^T is done, and the element mask is computed per key
-(`_aligned_range_of_keys`, the dual of the forward's per-query `_key_range`).
+Shared pieces: `_aligned_range_of_keys` (the per-key dual of `common_sm90._key_range`), `_row_vector` /
+`_lse_log2` (lse / delta of a row block from one 64-bit scalar base plus 32-bit offsets: a vector of 64-bit
+pointers would double their registers at the register peak), `_store_tile` (store through a free operand
+buffer, 16 B per thread).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from packattn.ops.runtime import launch
 from packattn.ops.varlen.common_sm90 import (_load_kv_block, _tile_row, _to_operand, _visible,
                                                _zero_v_tail, mma_layout, row_store_layout)
 
-LOG2E = gl.constexpr(1.4426950408889634)
+LOG2E = gl.constexpr(launch.LOG2E)
 
 
 # ---------------------------------------------------------------- shared pieces
 @gluon.jit
 def _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr):
-    """The dual of `varlen_fwd_gluon._key_range`: key ``k`` (``0 <= k < len_kv``) is visible to the
+    """The dual of `common_sm90._key_range`: key ``k`` (``0 <= k < len_kv``) is visible to the
     queries aligned at ``a`` in ``[a_lo(k), a_hi(k))``, because ``k < a + right + 1 <=> a >= k - right``,
     ``k >= a - left <=> a < k + left + 1`` and, for a chunk ``c``, ``S(a) <= k < S(a) + c <=> a in
     [floor(k / c) * c, floor(k / c) * c + c)`` (``k >= 0``, so ``a < 0`` never qualifies, as there).

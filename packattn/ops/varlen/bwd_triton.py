@@ -20,10 +20,12 @@ positions; blocks in ``[mid_lo, mid_hi)`` skip the element mask. With ``P = exp2
 import triton
 import triton.language as tl
 
+from packattn.ops.runtime import launch
+
 from packattn.ops.varlen.common_triton import (load_rows, store_rows, tile_header, visible_tile,
                                             visible_tile_keys_by_queries)
 
-LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = tl.constexpr(launch.LOG2E)
 
 
 @triton.jit

@@ -1,58 +1,22 @@
-"""Forward flash attention over packed (THD) sequences for Hopper (sm_90a), written in Gluon.
+"""Gluon helpers shared by the Hopper (sm_90a) kernels of the varlen and tree families.
 
-Same contract as `packattn.ops.varlen.fwd_triton.varlen_fwd_kernel` (tile table rows
-``[seq, q_start, lo, mid_lo, mid_hi, hi]``, ``cu_seqlens`` / ``row_offsets`` meaning, masks, GQA,
-``out`` in the input dtype, ``lse`` float32 natural log, ``out = 0`` / ``lse = -inf`` for a row that
-sees no key), but scheduled by hand so that the tensor cores and the softmax overlap. Triton 3.6
-puts a ``wgmma.wait_group 0`` right after every ``tl.dot``, so there the QK^T wgmma, the softmax and
-the PV wgmma of a warp group run strictly one after another.
+* Layouts: `mma_layout` (wgmma accumulator, ``NVMMADistributedLayout`` v3, warps split the rows, a warp group
+  per 64 rows, so row max / row sum reduce inside a quad: no shared memory), `row_store_layout` (16-byte
+  vector stores of whole rows).
+* Tile table and masks: `_tile_row` (a row ``[seq, start, lo, mid_lo, mid_hi, hi]`` and its sequence's lengths
+  and first rows), `_aligned_shift`, `_key_range`, `_visible`: the Gluon twins of
+  `packattn.ops.varlen.common_triton` (same formulas, see `packattn.mask`).
+* Base-2 online softmax of one key block (`_softmax_any`: element mask only outside the fully visible band
+  ``[mid_lo, mid_hi)``, a uniform branch; unmasked blocks ``m = max(m, rowmax(S) c)``, ``p = exp2(S c - m)``;
+  masked blocks scale, mask to -inf, then max; a row that has seen no key keeps ``m = -inf`` and ``p = 0``).
+* Pipeline pieces: `_load_kv_block` (K and V of a block by TMA onto the slot's one mbarrier), `_issue_qk`
+  (wait for the slot, start ``S = Q K^T`` asynchronously), `_zero_v_tail` (zero the rows of a ring slot past
+  the sequence end, fence, barrier over the calling warp group: rows TMA read from the next sequence or from
+  padding may hold NaN, and ``0 * NaN`` inside a product would poison valid rows), `_to_operand` (float32
+  accumulator -> wgmma A operand in registers).
 
-Layout of one program (one query tile of ``BLOCK_M = 128`` rows x one query head, 8 warps; the
-kernel also runs ``BLOCK_M = 64`` with 4 warps, one warp group):
-
-* two warp groups, each owning 64 query rows: the accumulator layouts are ``NVMMADistributedLayout``
-  version 3 with ``warps_per_cta = [8, 1]`` (rows split over the warps, never the columns, so the
-  row max / row sum are reductions inside a quad of threads: no shared memory);
-* Q (``BLOCK_M x HEAD_DIM``) and ``STAGES`` ring slots of K and V (``BLOCK_N x HEAD_DIM`` each)
-  live in NVMMA-swizzled shared memory, filled by TMA through 2-D descriptors over the
-  ``(rows, heads * head_dim)`` views of q / k / v; one mbarrier per slot (K and V of a block land
-  on the same barrier);
-* S = Q K^T reads both operands from shared memory; O += P V takes P from registers (the S
-  accumulator layout converts to the wgmma A-operand layout in registers) and V from shared memory.
-
-Pipeline of one warp group, iteration ``j`` (FlashAttention-3's intra-warpgroup overlap); it
-enters with P[j] and alpha[j] in registers and no wgmma in flight::
-
-    issue  S[j+1] = Q K[j+1]^T               (async, after K[j+1]'s barrier)
-    O *= alpha[j]; issue O += P[j] V[j]       (async; two wgmma groups in flight)
-    wait   until 1 group is pending          (S[j+1] done, PV[j] still runs)
-    softmax of S[j+1] -> P[j+1], alpha[j+1]  (overlaps PV[j] on the tensor cores)
-    wait   until 0 groups are pending        (PV[j] done)
-    CTA barrier; TMA block j+STAGES into block j's ring slot
-
-No wgmma is in flight across the loop's back edge: a variant that carried PV[j] in flight into
-the next iteration (overlapping the softmax with S[j+1] *and* PV[j]) made ptxas serialise every
-wgmma of the kernel (warning C7514, "non wgmma instructions reading accumulator registers").
-The CTA barrier before the refill makes slot reuse safe with two warp groups (the other group
-may still be reading V[j]); block ``j+STAGES`` is first needed in iteration ``j+STAGES-1``, so
-``STAGES = 3`` prefetches two iterations ahead. The two warp groups are not explicitly
-ping-ponged (no named barriers in Gluon 3.6); the per-iteration barrier keeps them in step, and
-each keeps its own wgmma's in flight during its softmax.
-
-Rows past a sequence's end are read by TMA as they are (the next sequence's rows, padding, or
-zeros past the tensor): the element mask makes their scores -inf, and V rows past ``len_kv``
-in the (at most one) block per tile that crosses the sequence end are zeroed in shared memory
-before the PV wgmma, so uninitialised padding (NaN/Inf) cannot leak into ``0 * v``. Q rows past
-``len_q`` only produce output rows that are never stored.
-
-`packattn.ops.varlen.fwd_sm90.varlen_fwd_gluon_ws_kernel` is the warp-specialised variant of the same
-contract: a TMA producer warp and one partition per consumer warp group, synchronised only by
-mbarriers (see the comment above `_work_item`).
-
-The mask helpers below are the Gluon twins of `packattn.ops.varlen.common_triton.aligned_offset` /
-`key_range` (same formulas, see `packattn.mask`); the softmax is the base-2 online softmax of
-`varlen_common.online_softmax_step` (unmasked blocks: ``m = max(m, rowmax(S) * c)``,
-``p = exp2(S * c - m)``; masked blocks: scale, mask, then max).
+Rule every kernel follows: no wgmma is in flight across a loop's back edge (ptxas serialises every wgmma of
+the kernel otherwise, warning C7514).
 """
 
 from triton.experimental import gluon
@@ -64,7 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
-LN2 = gl.constexpr(0.6931471805599453)
+from packattn.ops.runtime import launch
+
+LN2 = gl.constexpr(1.0 / launch.LOG2E)  # ln(2), the same float as 0.6931471805599453
 
 
 # ---------------------------------------------------------------- layouts (compile-time helpers)
@@ -83,13 +49,13 @@ def row_store_layout(num_warps, head_dim):
     return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
 
 
-# ---------------------------------------------------------------- mask (twin of varlen_common)
+# ---------------------------------------------------------------- mask (twin of common_triton)
 @gluon.jit
 def _tile_row(tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv):
     """Tile-table row ``tile`` (``[seq, start, lo, mid_lo, mid_hi, hi]``) and its sequence's lengths
     and first rows: ``(seq, start, lo, mid_lo, mid_hi, hi, len_q, len_kv, row0_q, row0_kv)``. A
     surplus row (``seq < 0``) reads sequence 0's values (in bounds, meaningless). The Gluon twin of
-    `varlen_common.tile_header`."""
+    `common_triton.tile_header`."""
     seq = gl.load(tiles + tile * 6)
     seq_ok = gl.maximum(seq, 0)
     start = gl.load(tiles + tile * 6 + 1)
@@ -108,7 +74,7 @@ def _tile_row(tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offse
 def _key_range(aligned, len_kv, window_left, window_right, chunk_size,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr):
     """Visible keys ``[lo, hi)`` of queries aligned at ``aligned``; formulas of
-    `varlen_common.key_range` (``floor(a / c)`` only for ``a >= 0``; ``S = -c`` otherwise)."""
+    `common_triton.key_range` (``floor(a / c)`` only for ``a >= 0``; ``S = -c`` otherwise)."""
     lo = aligned * 0
     hi = lo + len_kv
     if HAS_RIGHT:
@@ -125,7 +91,7 @@ def _key_range(aligned, len_kv, window_left, window_right, chunk_size,
 @gluon.jit
 def _aligned_shift(len_q, len_kv, TOP_LEFT: gl.constexpr):
     """``a(q) = q + shift`` (`packattn.mask`'s alignment): 0 top-left, ``len_kv - len_q`` bottom-right
-    (`varlen_common.aligned_offset`'s Gluon twin)."""
+    (`common_triton.aligned_offset`'s Gluon twin)."""
     if TOP_LEFT:
         shift = len_q * 0
     else:

@@ -17,6 +17,10 @@ Both give ``hi <= 0 <= lo`` there (nothing visible), exactly as mask.py does.
 import triton
 import triton.language as tl
 
+from packattn.ops.runtime import launch
+
+LN2 = tl.constexpr(1.0 / launch.LOG2E)  # ln(2)
+
 
 @triton.jit
 def aligned_offset(len_q, len_kv, TOP_LEFT: tl.constexpr):
@@ -152,7 +156,7 @@ def finish_softmax(acc, m_i, l_i):
     (natural log)."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     return acc / l_safe[:, None], lse
 
 

@@ -1,32 +1,35 @@
 """Warp-specialised Gluon forward for Hopper (sm_90a): `varlen_fwd_gluon_ws_kernel`.
 
-Same contract as `packattn.ops.varlen.common_sm90.varlen_fwd_gluon_kernel` (plus ``num_work``),
-selected by `GluonConfig.warp_specialize` in `packattn.ops.varlen.launch_sm90_fwd`. Partitions (launched with
-``num_warps = 4``; ``BLOCK_M // 64`` consumer warp groups + one producer warp, 8 or 12 warps):
+Computes what `packattn.ops.varlen.fwd_triton.varlen_fwd_kernel` computes (tile-table rows ``[seq, q_start,
+lo, mid_lo, mid_hi, hi]``, masks, GQA by ``head // group_size``, ``out`` in the input dtype, ``lse`` float32
+natural log, ``out = 0`` / ``lse = -inf`` for a row that sees no key; rows in no sequence are not written).
 
-* consumer ``c`` (4 warps: the default partition for ``c = 0``, a worker for ``c = 1``) owns query
-  rows ``[64 c, 64 c + 64)`` of the tile and runs the loop of `varlen_fwd_gluon._attend` on them; when PV[j] is
-  done it arrives on ``empty[j % STAGES]`` (count ``BLOCK_M // 64``) instead of a CTA barrier.
-  Each consumer is its own partition, so the barrier that Triton puts in front of an mbarrier
-  arrive (``bar.sync id, 128``) only spans the arriving warp group: the two warp groups never
-  wait for each other inside the loop;
-* producer (1 warp, few registers): loads Q on ``q_bar`` and the K/V blocks on ``ready[slot]``,
-  waiting on ``empty[slot]`` before it reuses a slot, and on ``q_empty`` before it reloads Q.
+Work split: the work items are (query tile, query head) pairs in head sections (`_section_order`); a persistent
+grid of programs takes items ``pid, pid + nprog, ...``. Partitions (launched with ``num_warps = 4``):
 
-Every partition walks the same list of work items ``pid, pid + nprog, ...`` (one item per
-program unless the grid is persistent) and counts ring blocks / Q loads globally, so the
-mbarrier phases stay in step across tiles. With ``DIRECT_STORE`` the output is stored from the
-accumulator registers (no staging through Q's buffer), so Q is released as soon as the tile's
-last S wgmma is done and the producer loads the next tile's Q under this tile's last PV and
-epilogue; otherwise Q's buffer stages the output (16 B stores) and is released after the epilogue.
+* consumer ``c`` (4 warps; ``BLOCK_M // 64`` of them, the default partition is ``c = 0``) owns query rows
+  ``[64 c, 64 c + 64)`` of each tile. Step j: issue S[j+1] = Q K[j+1]^T, rescale O, issue O += P[j] V[j],
+  wait until S[j+1] is done, softmax of S[j+1] under PV[j], wait for PV[j], arrive ``empty[j % STAGES]``.
+  After the tile's last S it arrives ``q_empty``; the output is stored from the accumulator registers
+  (`_store_out_direct`), so the next tile's Q loads under this tile's last PV and epilogue.
+* producer (1 warp): per tile the first K/V block, then Q (after ``q_empty``), then the other blocks, each into
+  ring slot ``block % STAGES`` after ``empty`` of that slot.
 
-With ``TRIM`` each consumer computes, per tile, the blocks ``[b_lo, b_hi)`` that hold a key visible to one of
-its rows inside the sequence (`_wg_block_range`) and runs the products on those only; for the other blocks it
-waits for the slot to be filled, takes its part in the V-tail zeroing if the block is the tile's last, and
-releases the slot (`_ws_skip_blocks`). Skipping a block in which every element of the group's rows is masked
-changes nothing (P = 0 there and the running max stays, so the rescale factor is exactly 1): the output is
-bitwise the untrimmed kernel's. With 64-key blocks and causal masks, the first warp group of a 128-row tile
-skips the tile's last (diagonal) block: ~10% of the products of 512-token documents.
+Synchronisation: every partition decodes the same items and counts ring blocks and Q loads over all of this
+program's tiles, so slot ``b % STAGES`` and parity ``(b // STAGES) & 1`` agree. ``ready[slot]`` (count 1: the
+producer's expect + TMA), ``empty[slot]`` and ``q_empty`` (count ``BLOCK_M // 64``: one arrival per consumer),
+``q_bar`` (count 1). No CTA barrier in the loop: the barrier Triton puts before an mbarrier arrive spans only
+the arriving warp group. The block that crosses the sequence end has its V rows past ``len_kv`` zeroed, each
+consumer its half, met on ``wg_bars[0]`` (`_ws_zero_v_tail`).
+
+``TRIM``: each consumer runs the products only on the blocks ``[b_lo, b_hi)`` holding a key visible to one of
+its rows (`_wg_block_range`) and waits for / releases the others (`_ws_skip_blocks`). A skipped block has
+P = 0 and an unchanged running max (rescale factor exactly 1): the output is bitwise the untrimmed one.
+
+Budget (contract with `packattn.ops.varlen.launch_sm90.fwd_resources`): shared memory ``(BLOCK_M + 2 STAGES
+BLOCK_N) HEAD_DIM`` elements plus the mbarriers (d = 128, 128 x 128, 3 stages: 224 KB of 227); registers by
+setmaxnreg, ``CONSUMER_REGS`` per consumer warp (240 at one CTA per SM), ``PRODUCER_REGS`` (24) for the
+producer.
 """
 
 from triton.experimental import gluon
@@ -94,7 +97,7 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
 def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q,
                  group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA partition (one warp). Per tile: the first ``min(Q_AFTER, num_blocks)`` K/V blocks, then
+    """TMA partition (one warp). Per tile: the first K/V block (if any), then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
     the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
     block = 0  # ring blocks issued so far (all tiles of this program)
@@ -178,12 +181,10 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """`_attend` for one consumer warp group (64 rows), blocks ``base ...`` of the ring: same
-    pipeline, but block j's slot is handed back to the producer through ``empty`` once PV[j] is
-    done (no CTA barrier). With ``EARLY_Q_RELEASE`` Q is handed back once the last S is done; with
-    ``PINGPONG`` each loop step's two products (S[j+1], PV[j]) are one turn (`_wait_turn`).
-    Returns ``(acc, m, l, ntail, turn)``: ``ntail`` counts the tiles whose last block had a V tail,
-    ``turn`` the turns taken so far."""
+    """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
+    (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
+    through ``q_empty`` once the last S is done. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the tiles
+    whose last block had a V tail."""
     dtype: gl.constexpr = q_wg.dtype
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma_wait(0, deps=(_issue_qk(q_wg, k_bufs, ready, base, s_zero, STAGES), ))
@@ -373,7 +374,7 @@ def varlen_fwd_gluon_ws_kernel(
     q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
                                                                        STAGES, HEAD_DIM)
     # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`). [1] and [2] are never waited on; they stay
-    # allocated and initialised so that the kernel compiles to the PTX it was measured with.
+    # allocated and initialised so that the kernel's PTX stays the one that was benchmarked.
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     mbarrier.init(wg_bars.index(0), count=NUM_CONSUMERS)
     mbarrier.init(wg_bars.index(1), count=1)

@@ -1,7 +1,7 @@
 """Forward flash attention over packed (THD) sequences.
 
 One program per (query tile, query head). A query tile is one row of the launcher's tile table
-(``int32 (num_tiles, 6)``, see `packattn.backends.triton_varlen`)::
+(``int32 (num_tiles, 6)``, see `packattn.ops.varlen.tiles`)::
 
     [seq, q_start, lo, mid_lo, mid_hi, hi]
 
