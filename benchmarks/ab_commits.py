@@ -11,9 +11,10 @@ against either tree. Per workload it times the forward (inputs requiring grad, a
 forward+backward (``torch.autograd.grad``): CUDA events around each call, after ``--warmup-ms`` of the same
 calls, no L2 flush, median of ``--reps`` calls. A workload that a tree cannot run is a row with its error.
 
-``--host-probe``: host time per call, per tree (``torch.cuda.synchronize()`` before each call, then the wall
-time of the Python call alone, median of ``--host-calls``) on W8 (64 x 512) and a small W8-like batch
-(8 x 512), forward and forward+backward.
+``--host-probe``: host work per call, per tree, forward and forward+backward, on W8's packing (64 x 512) and on
+8 x 512, both with 2 heads so that the GPU work per call stays far below the host's: CPU time of ``--host-calls``
+calls back to back (the backward on the calling thread; least of 5 loops), and, counted, the Python calls and GPU
+kernels per call.
 
 Afterwards the PTX of every kernel each tree compiled (its Triton cache) is compared: normalised (no
 ``.loc`` / ``.file`` / debug sections / comments / debug labels, the kernel's name mapped from old to new
@@ -68,13 +69,16 @@ def _workload(name: str, tiny: bool):
             "W8": wl.Workload("W8", [64] * 4, heads_q=2, heads_kv=2, head_dim=32, options={"causal": True}),
             "W8small": wl.Workload("W8small", [64] * 2, heads_q=2, heads_kv=2, head_dim=32,
                                    options={"causal": True}),
+            "W8h2": wl.Workload("W8h2", [64] * 4, heads_q=2, heads_kv=2, head_dim=32, options={"causal": True}),
         }
         sequences = wl.grpo_sequences(2, 32, 2, 16)
         table["W6"] = wl.TreeWorkload("W6", [len(s) for s in sequences], heads_q=2, heads_kv=2, head_dim=32,
                                       options={"causal": True}, sequences=sequences)
     else:
         table = {**wl.varlen_workloads(), **wl.tree_workloads()}
-        table["W8small"] = wl.Workload("W8small", [512] * 8, options={"causal": True})
+        # host probes: W8's and an 8 x 512 packing with 2 heads, so that the GPU work per call is a few tens of us
+        table["W8h2"] = wl.Workload("W8h2", table["W8"].lengths_q, heads_q=2, heads_kv=2, options={"causal": True})
+        table["W8small"] = wl.Workload("W8small", [512] * 8, heads_q=2, heads_kv=2, options={"causal": True})
     w = table[name]
     desc, q, k, v = w.make_inputs(device, dtype, seed=0)
     signature = [type(desc).__name__, list(q.shape), list(k.shape), sorted(w.options.items()),
@@ -137,19 +141,66 @@ def _timer(cuda: bool):
 
 
 def _host_us(fn, calls: int, cuda: bool) -> float:
-    """Median host time (us) of one call: the GPU drained before each call, only the Python call timed."""
+    """Host CPU time (us) of one call: ``calls`` calls back to back with no synchronisation between them, on a
+    batch whose GPU work per call is far below its host work, timed with this thread's CPU clock and the backward
+    run on this thread (so neither waiting nor other processes count); the least of 5 such loops."""
     import torch
 
-    times = []
-    for _ in range(calls):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
+    best = float("inf")
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(5):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.thread_time() - start) * 1e6 / calls)
+            if cuda:
+                torch.cuda.synchronize()
+    return best
+
+
+def _host_work(fn, cuda: bool, calls: int = 10) -> dict:
+    """What one call does on the host, counted rather than timed (the host's timings are noisy): Python function
+    calls (cProfile, the backward run on this thread) and GPU kernel launches (torch.profiler) per call."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread: cProfile sees it
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+    work = {"python_calls": pstats.Stats(profile).total_calls / calls}
     if cuda:
         torch.cuda.synchronize()
-    return statistics.median(times)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        work["kernels"] = len(kernels) / calls
+        work["kernel_names"] = sorted({e.name for e in kernels})
+    return work
+
+
+def _kernel_us(fn, calls: int = 10) -> float:
+    """GPU time (us) of one call as the sum of its kernels' durations (torch.profiler): free of the host's noise,
+    so a row whose wall time moved can be told apart from one whose kernels did."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / calls
 
 
 def _calls(name: str, tiny: bool, backend: str):
@@ -172,6 +223,8 @@ def _calls(name: str, tiny: bool, backend: str):
 
 def worker(spec: dict) -> dict:
     """Run in a subprocess with PYTHONPATH set to one tree: time every workload of ``spec``."""
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 2:
+        os.sched_setaffinity(0, {2, 3})  # the same two cores in both trees (host probe)
     import torch
 
     import packattn
@@ -198,6 +251,8 @@ def worker(spec: dict) -> dict:
             forward, forward_backward, row["signature"] = _calls(name, tiny, backend)
             row["fwd_ms"] = time_calls(forward, spec["warmup_ms"], spec["reps"])
             row["fb_ms"] = time_calls(forward_backward, spec["warmup_ms"], spec["reps"])
+            if cuda and spec.get("kernel_time"):
+                row["fwd_kernel_us"], row["fb_kernel_us"] = _kernel_us(forward), _kernel_us(forward_backward)
         except Exception as e:  # noqa: BLE001 - a workload this tree cannot run is a row, not a crash
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         if cuda:
@@ -208,7 +263,8 @@ def worker(spec: dict) -> dict:
             for _ in range(20):
                 forward_backward()
             result["host"][name] = {"fwd_us": _host_us(forward, spec["host_calls"], cuda),
-                                    "fb_us": _host_us(forward_backward, spec["host_calls"], cuda)}
+                                    "fb_us": _host_us(forward_backward, spec["host_calls"], cuda),
+                                    "fwd_work": _host_work(forward, cuda), "fb_work": _host_work(forward_backward, cuda)}
         except Exception as e:  # noqa: BLE001
             result["host"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return result
@@ -332,8 +388,22 @@ def summarise(samples: dict, workloads: list[str], host_names: list[str], ptx: l
                      f"{_ratio(med['old', 'fwd_ms'], med['new', 'fwd_ms'])} | {_fmt(med['old', 'fb_ms'])} | "
                      f"{_fmt(med['new', 'fb_ms'])} | {_ratio(med['old', 'fb_ms'], med['new', 'fb_ms'])}")
     lines.append("(medians over the rounds; ratio = new / old, * where it moves more than 2%)")
+    kernel_rows = []
+    for name in workloads:
+        med = {(label, key): _median([r["rows"].get(name, {}).get(key) for r in samples[label]
+                                      if r.get("rows", {}).get(name, {}).get(key) is not None])
+               for label in ("old", "new") for key in ("fwd_kernel_us", "fb_kernel_us")}
+        if med["old", "fwd_kernel_us"] is not None and med["new", "fwd_kernel_us"] is not None:
+            kernel_rows.append(
+                f"{name} | {_fmt(med['old', 'fwd_kernel_us'], 1)} | {_fmt(med['new', 'fwd_kernel_us'], 1)} | "
+                f"{_ratio(med['old', 'fwd_kernel_us'], med['new', 'fwd_kernel_us'])} | "
+                f"{_fmt(med['old', 'fb_kernel_us'], 1)} | {_fmt(med['new', 'fb_kernel_us'], 1)} | "
+                f"{_ratio(med['old', 'fb_kernel_us'], med['new', 'fb_kernel_us'])}")
+    if kernel_rows:
+        lines += ["", "kernel us per call (summed durations) | old fwd | new fwd | ratio | old f+b | new f+b | ratio",
+                  "---|---|---|---|---|---|---", *kernel_rows]
     if host_names:
-        lines += ["", "host us per call | old fwd | new fwd | ratio | old f+b | new f+b | ratio", "---|---|---|---|---|---|---"]
+        lines += ["", "host CPU us per call | old fwd | new fwd | ratio | old f+b | new f+b | ratio", "---|---|---|---|---|---|---"]
         for name in host_names:
             med = {}
             for label in ("old", "new"):
@@ -344,6 +414,22 @@ def summarise(samples: dict, workloads: list[str], host_names: list[str], ptx: l
             lines.append(f"{name} | {_fmt(med['old', 'fwd_us'], 1)} | {_fmt(med['new', 'fwd_us'], 1)} | "
                          f"{_ratio(med['old', 'fwd_us'], med['new', 'fwd_us'])} | {_fmt(med['old', 'fb_us'], 1)} | "
                          f"{_fmt(med['new', 'fb_us'], 1)} | {_ratio(med['old', 'fb_us'], med['new', 'fb_us'])}")
+    if host_names:
+        lines += ["", "host work per call (counted) | old fwd | new fwd | old f+b | new f+b",
+                  "---|---|---|---|---"]
+        for name in host_names:
+            work = {label: next((r["host"][name] for r in samples[label] if "fwd_work" in r["host"].get(name, {})),
+                                None) for label in ("old", "new")}
+            if None in work.values():
+                continue
+            for key, what in (("python_calls", "Python calls"), ("kernels", "GPU kernels")):
+                cells = [work[label][part].get(key) for part in ("fwd_work", "fb_work") for label in ("old", "new")]
+                lines.append(f"{name} {what} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells))
+            for part in ("fwd_work", "fb_work"):
+                old_k, new_k = (set(work[label][part].get("kernel_names", [])) for label in ("old", "new"))
+                if old_k != new_k:
+                    lines.append(f"{name} {part} kernels only old: {sorted(old_k - new_k)}; only new: "
+                                 f"{sorted(new_k - old_k)}")
     lines += ["", "kernel | old PTX | new PTX | status", "---|---|---|---"]
     lines += [f"{r['kernel']} | {r['old']} | {r['new']} | {r['status']}" for r in ptx] or ["(no compiled kernels)"]
     lines.append(f"PTX: {sum(r['status'] == 'same' for r in ptx)} same, {sum(r['status'] == 'DIFF' for r in ptx)} DIFF, "
@@ -374,6 +460,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", default=None, help='default "auto" ("reference" with --dry-run)')
     parser.add_argument("--host-probe", action="store_true", help="also host us per call on W8 and W8small")
     parser.add_argument("--host-calls", type=int, default=200)
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="also each workload's summed kernel durations per call (torch.profiler)")
     parser.add_argument("--warmup-ms", type=float, default=250.0)
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds of idle GPU before each subprocess")
@@ -390,11 +478,11 @@ def main(argv: list[str]) -> int:
             parser.error(f"--{label} {tree} has no packattn/ folder")
     cache = Path(args.cache_root or tempfile.mkdtemp(prefix="ab_commits_cache_"))
     renames = dict(RENAMES, **dict(r.split("=", 1) for r in args.rename))
-    host_names = ["W8", "W8small"] if args.host_probe else []
+    host_names = ["W8h2", "W8small"] if args.host_probe else []
     spec = {"workloads": args.workloads, "tiny": args.dry_run, "backend": args.backend or
             ("reference" if args.dry_run else "auto"), "warmup_ms": 5.0 if args.dry_run else args.warmup_ms,
             "reps": 3 if args.dry_run else args.reps, "host_probe": host_names,
-            "host_calls": 5 if args.dry_run else args.host_calls}
+            "host_calls": 5 if args.dry_run else args.host_calls, "kernel_time": args.kernel_time}
     samples: dict[str, list[dict]] = {"old": [], "new": []}
     for round_index in range(args.rounds):
         for label in (("old", "new") if round_index % 2 == 0 else ("new", "old")):
