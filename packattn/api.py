@@ -118,6 +118,16 @@ def _to_problem(q, k, v, seqs, layout: str, mask: Mask, causal, window, chunk_si
     return _to_thd(q, layout), _to_thd(k, layout), _to_thd(v, layout), seqs, mask, dense
 
 
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale of a call: ``scale``, or ``1 / sqrt(head_dim)`` when None; ValueError unless finite."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return scale
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,10 +161,7 @@ def attention(
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
     _check_tensors(q, k, v, layout)
     mask = Mask.make(causal, window, chunk_size)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    scale = resolve_scale(scale, q.shape[-1])
 
     qt, kt, vt, seqs, mask, dense = _to_problem(q, k, v, seqs, layout, mask, causal, window, chunk_size)
     return_lse, deterministic = bool(return_lse), bool(deterministic)

@@ -92,13 +92,13 @@ cached on the plan, so a call does no host work and no host sync on CUDA.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
 
 import packattn
 from packattn import dispatch
+from packattn.api import resolve_scale
 from packattn.backends.base import Backend, Problem
 from packattn.cp.executor import Call
 from packattn.cp.plan import CPPlan
@@ -254,7 +254,7 @@ class _Ring(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         acc_dtype = lse.dtype
-        scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(d)
+        scale = resolve_scale(opts["scale"], d)
         dq = torch.zeros(n, hq, d, dtype=acc_dtype, device=q.device)
         dkv = torch.zeros(n, hk * (d + dv), dtype=acc_dtype, device=q.device)  # this rank's rows, step 0 + returned
         kv_local = torch.cat([k.reshape(n, hk * d), v.reshape(n, hk * dv)], dim=1)
