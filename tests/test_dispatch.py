@@ -8,6 +8,7 @@ import torch
 from packattn import NoBackendError, Varlen, attention, dispatch
 from packattn.backends import REGISTRY
 from packattn.mask import Mask
+from packattn.ops.runtime import support
 
 CPU_BACKENDS = {"sdpa", "reference"}
 
@@ -228,6 +229,10 @@ def hopper_with_fa4(monkeypatch):
 
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability[0])
+    # the sm_90 kernels on for every call (not the interpreter the CPU tests run in, a Triton they are built for)
+    monkeypatch.setattr(support, "interpreting", lambda: False)
+    monkeypatch.setattr(support, "installed_gluon_unsupported", lambda: None)
+    monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
     monkeypatch.setattr(type(get("fa4")), "unavailable", lambda self: None)
     monkeypatch.setattr(type(get("triton")), "unavailable", lambda self: None)
     monkeypatch.setattr(type(get("small_seq")), "unavailable", lambda self: "not in this test")
@@ -260,6 +265,26 @@ def test_auto_passes_fa4_over_for_short_batches_with_gradients(hopper_with_fa4, 
     monkeypatch.setenv("PACKATTN_DISABLE", "")
     monkeypatch.setattr(triton_varlen, "device_unsupported", lambda device_type: "not this device")
     assert dispatch.select(params(**w8)).name == "fa4"  # nor when the triton backend cannot run the call
+
+
+def test_fa4_defers_only_where_the_sm90_kernels_run(hopper_with_fa4, monkeypatch):
+    """The deferral holds for the triton backend's sm_90 kernels: not under PACKATTN_PORTABLE=1, Triton's
+    interpreter or a Triton the Gluon kernels are not built for (`support.sm90_kernels_off`), where only the
+    portable Triton kernels would run."""
+    from packattn.backends import get
+
+    w8 = params(device_type="cuda", dtype=torch.bfloat16, heads_q=16, heads_kv=16, head_dim=128, head_dim_v=128,
+                max_seqlen_q=dispatch.Params.bucket(512), max_seqlen_kv=dispatch.Params.bucket(512),
+                requires_grad=True)
+    assert get("fa4").defers_to(w8)[0] == "triton"
+    monkeypatch.setenv("PACKATTN_PORTABLE", "1")
+    assert "PACKATTN_PORTABLE" in support.sm90_kernels_off() and get("fa4").defers_to(w8) is None
+    monkeypatch.delenv("PACKATTN_PORTABLE")
+    monkeypatch.setattr(support, "installed_gluon_unsupported", lambda: "Gluon kernels off: test reason")
+    assert get("fa4").defers_to(w8) is None
+    monkeypatch.setattr(support, "installed_gluon_unsupported", lambda: None)
+    monkeypatch.setattr(support, "interpreting", lambda: True)
+    assert get("fa4").defers_to(w8) is None
 
 
 # ------------------------------------------------------------------------------------ names in the environment

@@ -180,7 +180,7 @@ def test_dkdv_refuses_bad_configs(text, monkeypatch):
 
 
 def _gluon_everywhere(monkeypatch):
-    monkeypatch.setattr(op, "sm90_runs", lambda q, k, v, tma: True)
+    monkeypatch.setattr(op, "sm90_runs", lambda q, k, v, tma, head_dims, dtypes: True)
 
 
 def test_dkdv_key_tiles_follow_a_forced_config(monkeypatch):

@@ -66,6 +66,33 @@ def test_tile_tables_put_the_longest_work_first():
     assert work == sorted(work, reverse=True)
 
 
+# ---------------------------------------------------------------- the options lists
+def test_options_lists_start_with_the_mask_fields():
+    """`launch.MASK_FIELDS` names `mask_options` / `mask_from_options` (a round trip); `op.batch_options`,
+    `op.bwd_options` and `op.read_options` build and read `FWD_OPTIONS` / `BWD_OPTIONS` by those names."""
+    import inspect
+
+    from packattn.ops.runtime import launch
+
+    assert tuple(inspect.signature(launch.mask_from_options).parameters) == launch.MASK_FIELDS
+    assert launch.MASK_OPTIONS == len(launch.MASK_FIELDS)
+    for opts in SELF_MASKS + [{"causal": "top_left", "window": (5, 2), "chunk_size": 12}, {"window": (-1, 3)}]:
+        mask = Mask.make(**opts)
+        assert len(launch.mask_options(mask)) == launch.MASK_OPTIONS
+        assert launch.mask_from_options(*launch.mask_options(mask)) == mask
+    seqs = Varlen.from_lengths([5, 9], pad_to_multiple=8)
+    mask = Mask.make(causal=True, window=(4, 0))
+    fwd = op.batch_options(seqs, mask, 0, 1, 1)  # long_seqs, gluon, short_seqs
+    assert len(fwd) == len(op.FWD_OPTIONS)
+    named = dict(zip(op.FWD_OPTIONS, fwd))
+    assert named["padded_q"] and named["padded_kv"] and named["gluon"] == 1 and named["short_seqs"] == 1
+    bwd = op.bwd_options(fwd, True)
+    assert dict(zip(op.BWD_OPTIONS, bwd)) == {name: named[name] for name in op.BWD_OPTIONS}
+    assert bwd == op.batch_options(seqs, mask, True)
+    read_mask, rest = op.read_options(bwd)
+    assert read_mask == mask and rest == [True, True, True]
+
+
 # ---------------------------------------------------------------- the backward's plan
 @pytest.mark.parametrize("pass_name", ["dkdv_choice", "dq_choice"])
 def test_backward_refuses_a_pass_changed_after_the_forward(monkeypatch, pass_name):
@@ -108,18 +135,15 @@ def _cfg(text):
 def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=False):
     """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
     every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
-    from packattn.ops.varlen import bwd_triton as varlen_bwd
-    from packattn.ops.varlen import bwd_sm90 as varlen_bwd_gluon
-    from packattn.ops.varlen import bwd_dq_sm90 as varlen_bwd_gluon_dq_ws
-    from packattn.ops.varlen import bwd_dkdv_sm90 as varlen_bwd_gluon_ws
+    from packattn.ops.varlen import bwd_dkdv_sm90, bwd_dq_sm90, bwd_sm90, bwd_triton
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     log = []
-    for module, name, label in ((varlen_bwd_gluon_dq_ws, "varlen_bwd_dq_gluon_ws_kernel", "dq"),
-                                (varlen_bwd_gluon, "varlen_bwd_dq_gluon_kernel", "dq"),
-                                (varlen_bwd_gluon_ws, "varlen_bwd_dkdv_gluon_ws_kernel", "dkdv"),
-                                (varlen_bwd, "bwd_dq_kernel", "dq"), (varlen_bwd, "bwd_dkdv_kernel", "dkdv"),
-                                (varlen_bwd, "bwd_preprocess_kernel", "preprocess")):
+    for module, name, label in ((bwd_dq_sm90, "varlen_bwd_dq_gluon_ws_kernel", "dq"),
+                                (bwd_sm90, "varlen_bwd_dq_gluon_kernel", "dq"),
+                                (bwd_dkdv_sm90, "varlen_bwd_dkdv_gluon_ws_kernel", "dkdv"),
+                                (bwd_triton, "bwd_dq_kernel", "dq"), (bwd_triton, "bwd_dkdv_kernel", "dkdv"),
+                                (bwd_triton, "bwd_preprocess_kernel", "preprocess")):
         monkeypatch.setattr(module, name, _Recorder(log, label))
     dkdv, dq = _cfg(dkdv_text), _cfg(dq_text)
     plan = op.BwdPlan(dkdv, dq, (64, 64, dkdv is not None), (64, 64, dq is not None), short_seqs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from packattn.backends.base import Backend, Problem, empty_rows_lse, flash_kernel_unsupported, padding_row_mask
+from packattn.ops.runtime import support
 
 _IMPORT_ERROR: Exception | None = None
 _varlen_func = None
@@ -54,10 +55,13 @@ class Fa4Backend(Backend):
 
     def defers_to(self, params) -> tuple[str, str] | None:
         """Short batches with gradients at d = 128, no GQA, on Hopper go to the triton backend: its short-batch
-        backward measured faster than FA4's there (W8 on H100, benchmarks/NOTES.md, "Dispatch"). Elsewhere FA4
+        backward (the sm_90 Gluon kernels) measured faster than FA4's there (W8 on H100, benchmarks/NOTES.md,
+        "Dispatch"). Not where those kernels are off for every call (``PACKATTN_PORTABLE=1``, a Triton they are
+        not built for: `support.sm90_kernels_off`): the portable Triton kernels are slower. Elsewhere FA4
         measured faster and leads. Decided on `dispatch.Params` alone (``short_seqs``: `packattn.lengths`)."""
         if (params.requires_grad and params.kind == "varlen" and params.short_seqs and params.head_dim == 128
-                and params.heads_q == params.heads_kv and torch.cuda.get_device_capability()[0] == 9):
+                and params.heads_q == params.heads_kv and torch.cuda.get_device_capability()[0] == 9
+                and support.sm90_kernels_off() is None):
             return "triton", ("short sequences (<= 512 rows) with gradients at d = 128: the triton backend's "
                               "short-batch backward measured faster on Hopper (W8 f+b 1.09x FA4)")
         return None

@@ -97,8 +97,8 @@ def test_tree_auto_dispatch_on_cuda():
 
 
 # ---------------------------------------------------------------- Gluon tree backward (Hopper, d = 128)
-# The tree backward runs the warp-specialised Gluon dK/dV (`varlen_bwd_gluon_ws`, TREE=True) and dQ
-# (`tree_dq_gluon_ws`) where the varlen plan / `packattn.ops.tree.configs.tree_dq_config` say so (sm_90,
+# The tree backward runs the warp-specialised Gluon dK/dV (`packattn.ops.varlen.bwd_dkdv_sm90`, TREE=True) and dQ
+# (`packattn.ops.tree.dq_sm90`) where the varlen plan / `packattn.ops.tree.configs.tree_dq_config` say so (sm_90,
 # bf16/fp16, head dim 128), the Triton passes with PACKATTN_PORTABLE=1. Small
 # trees with the awkward shapes: 1-token nodes, depth-32 chains, fan-out 64, nodes straddling 128-row
 # tiles, totals that are no multiple of 64 or 128.
@@ -283,7 +283,7 @@ def test_gluon_tree_forward_override(monkeypatch):
 
     tree = packattn.Tree.from_sequences(NASTY_TREES["deep_then_wide"](), device="cuda")
     q, k, v = _fwd_inputs(tree, 2, 2, 64, torch.float16)
-    with tree_configs.override(TREE_FWD_CONFIGS={64: GluonConfig(128, 64, 4, 8)}):
+    with tree_configs.override(TREE_FWD_CONFIGS={**tree_configs.TREE_FWD_CONFIGS, 64: GluonConfig(128, 64, 4, 8)}):
         if tree_configs.tree_fwd_config(q, k, v) is not None:
             assert tree_configs.fwd_blocks(q, k, v) == (128, 64)
         _check_gluon_tree_forward(q, k, v, tree, monkeypatch)

@@ -146,7 +146,7 @@ def test_long_batch_fused_delta_two_consumers(monkeypatch, opts):
                          ids=["causal", "top_left_window", "chunk", "window", "full"])
 def test_trimmed_forward_is_bitwise_the_untrimmed_one(monkeypatch, opts):
     """The ``trim`` forward (each consumer warp group skips the key blocks none of its rows sees,
-    `varlen_fwd_gluon_ws`) gives bitwise the output and lse of the same config without it, on padded cross
+    `packattn.ops.varlen.fwd_sm90`) gives bitwise the output and lse of the same config without it, on padded cross
     batches with empty, length-1 and tail blocks; both against the reference."""
     seqs = Varlen.from_lengths([300, 1, 0, 64, 65, 500, 129, 37, 1000], [200, 5, 40, 64, 1, 500, 300, 0, 1100],
                                pad_to_multiple=16, device="cuda")

@@ -103,7 +103,6 @@ def _launch(kernel, grid, args, constexprs, config: LaunchConfig):
             warnings.warn(f"packattn triton: {e}; retrying with num_stages={stages}", stacklevel=2)
 
 
-
 # ---------------------------------------------------------------- what every launcher shares
 def mask_constexprs(mask: Mask) -> dict:
     """The mask constexprs every varlen-family kernel takes (Triton and Gluon, forward and backward)."""
@@ -118,22 +117,25 @@ def mask_scalars(mask: Mask) -> tuple[int, int, int]:
 
 NO_MASK = Mask()  # the tree kernels' mask arguments: no window, no chunk (the tree mask is a constexpr of its own)
 
+# The integers of `mask_options`, in order (the arguments of `mask_from_options`): the first fields of each
+# family's options list (e.g. `packattn.ops.varlen.op.FWD_OPTIONS`).
+MASK_FIELDS = ("causal", "has_window", "window_left", "window_right", "chunk_size", "top_left")
+MASK_OPTIONS = len(MASK_FIELDS)
+
 
 def mask_options(mask: Mask) -> list[int]:
-    """``mask`` as the integers a custom op's schema carries (`mask_from_options` rebuilds it)."""
+    """``mask`` as the integers a custom op's schema carries, `MASK_FIELDS` (`mask_from_options` rebuilds it)."""
     left, right = mask.window if mask.window is not None else (0, 0)
     return [int(mask.causal), int(mask.window is not None), left, right, mask.chunk_size or 0,
             int(mask.align == "top_left")]
 
 
-MASK_OPTIONS = 6  # len(mask_options(...))
-
-
 @functools.lru_cache(maxsize=256)
-def mask_from_options(causal: int, has_window: int, left: int, right: int, chunk_size: int, top_left: int) -> Mask:
-    """The `Mask` of `mask_options` (cached: the ops rebuild it on every call)."""
-    return Mask(causal=bool(causal), window=(left, right) if has_window else None, chunk_size=chunk_size or None,
-                align="top_left" if top_left else "bottom_right")
+def mask_from_options(causal: int, has_window: int, window_left: int, window_right: int, chunk_size: int,
+                      top_left: int) -> Mask:
+    """The `Mask` of `mask_options` (cached: the ops rebuild it on every call); the arguments are `MASK_FIELDS`."""
+    return Mask(causal=bool(causal), window=(window_left, window_right) if has_window else None,
+                chunk_size=chunk_size or None, align="top_left" if top_left else "bottom_right")
 
 
 def nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float, bool]:

@@ -13,14 +13,12 @@ import torch
 
 from packattn.ops.runtime import support
 
-HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are built for
-DTYPES = (torch.float16, torch.bfloat16)
 SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (each CTA also takes 1 KB of it)
 SM_REGISTERS = 65536
 PRODUCER_REGS = 24  # the TMA warp only holds scalars (24 is the least setmaxnreg allows)
 MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230 (BLOCK_N 128) registers
 
-_GLUON_OFF = support.gluon_unsupported()  # (the installed Triton cannot build the kernels: why)
+_GLUON_OFF = support.installed_gluon_unsupported()  # (the installed Triton cannot build the kernels: why)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,20 +32,23 @@ def _capability(index: int) -> tuple[int, int]:
     return cap
 
 
-def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool) -> bool:
-    """May the sm_90 Gluon kernels run on these tensors? Not Triton's interpreter, not ``PACKATTN_PORTABLE``,
-    CUDA tensors on a compute capability 9.x device (with a Triton the kernels are built for), float16 /
-    bfloat16, head dim 64 or 128 (q, k, v alike), heads_q a multiple of heads_kv; with ``tma`` also each
-    tensor viewable as a TMA ``(rows, heads * d)`` matrix without a copy (`_tma_compatible`). Without ``tma``
-    the answer depends only on dtypes, shapes and device, so a forward (which builds the tile tables) and its
-    backward (which launches, copying what TMA cannot read) agree."""
-    # (plain and-chains: this runs on every call, and generators cost host time)
+def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool, head_dims: tuple[int, ...],
+              dtypes: tuple[torch.dtype, ...]) -> bool:
+    """May the sm_90 Gluon kernels run on these tensors? Not Triton's interpreter, not ``PACKATTN_PORTABLE``
+    (those two and the Triton release: `support.sm90_kernels_off`, the part of this rule that holds for every
+    call), CUDA tensors on a compute capability 9.x device (with a Triton the kernels are built for), a dtype
+    of ``dtypes`` and a head dim of ``head_dims`` (q, k, v alike: the caller's family's Gluon kernels, e.g.
+    `packattn.ops.varlen.configs.GLUON_HEAD_DIMS` / ``GLUON_DTYPES``), heads_q a multiple of heads_kv; with
+    ``tma`` also each tensor viewable as a TMA ``(rows, heads * d)`` matrix without a copy (`_tma_compatible`).
+    Without ``tma`` the answer depends only on dtypes, shapes and device, so a forward (which builds the tile
+    tables) and its backward (which launches, copying what TMA cannot read) agree."""
+    # (plain and-chains and tuple membership: this runs on every call, and generators cost host time)
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return False
     if support.interpreting() or support.portable() or _capability(support.cuda_index(q.device))[0] != 9:
         return False
     dtype, d = q.dtype, q.shape[-1]
-    if dtype not in DTYPES or d not in HEAD_DIMS or k.dtype != dtype or v.dtype != dtype:
+    if dtype not in dtypes or d not in head_dims or k.dtype != dtype or v.dtype != dtype:
         return False
     if k.shape[-1] != d or v.shape[-1] != d or q.shape[1] % k.shape[1] != 0:
         return False

@@ -4,6 +4,7 @@ for, Triton's interpreter, the device rule, ``PACKATTN_PORTABLE``, and logging a
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 
@@ -48,6 +49,12 @@ def gluon_unsupported(version: str | None = None) -> str | None:
                                "the Triton kernels run instead (same results, slower on Hopper)")
 
 
+@functools.lru_cache(maxsize=None)
+def installed_gluon_unsupported() -> str | None:
+    """`gluon_unsupported` of the installed Triton, looked up once (reading its metadata costs host time)."""
+    return gluon_unsupported()
+
+
 _logged: set[str] = set()
 
 
@@ -69,6 +76,18 @@ def portable() -> bool:
     """``PACKATTN_PORTABLE=1``: the triton backends run only the portable Triton kernels (no Gluon kernels,
     no fast launches)."""
     return env.get("PACKATTN_PORTABLE") == "1"
+
+
+def sm90_kernels_off() -> str | None:
+    """Why the sm_90 Gluon kernels run on no device now, whatever the tensors:
+    ``PACKATTN_PORTABLE=1``, Triton's interpreter, or a Triton they are not built for; None: they may run
+    where `packattn.ops.runtime.sm90.sm90_runs` says so per call (it checks these inline: it runs on every
+    call). For choices made before a call, e.g. dispatch preferring the triton backend for its sm_90 kernels."""
+    if portable():
+        return "PACKATTN_PORTABLE=1: only the portable Triton kernels run"
+    if interpreting():
+        return "Triton's interpreter runs only the portable Triton kernels"
+    return installed_gluon_unsupported()
 
 
 def cuda_index(device: torch.device | None) -> int:

@@ -7,6 +7,8 @@ config's blocks (`packattn.ops.tree.tables.build_query_tiles`); ``scale >= 0``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from packattn.ops.runtime import fast_launch
@@ -21,8 +23,9 @@ def tree_fwd_shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2
     return shared_bytes(cfg, head_dim, element_size) + 4 * cfg.stages * cfg.block_n
 
 
+@functools.lru_cache(maxsize=None)
 def tree_fwd_resources(cfg: GluonConfig, head_dim: int) -> dict:
-    """Occupancy and register split (`sm90.ws_split`) of the tree forward."""
+    """Occupancy and register split (`sm90.ws_split`) of the tree forward (cached: configs are frozen)."""
     return ws_split(cfg.num_warps, tree_fwd_shared_bytes(cfg, head_dim))
 
 
@@ -31,9 +34,10 @@ def tree_dq_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int =
     return dq_shared_bytes(cfg, head_dim, element_size) + 4 * cfg.stages * cfg.block_n
 
 
+@functools.lru_cache(maxsize=None)
 def tree_dq_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
-    """Register split of the tree dQ: at d = 128 (128 x 64, 4 stages) one CTA per SM, maxnreg 168, consumers
-    240, producer 24."""
+    """Register split of the tree dQ (cached, as `tree_fwd_resources`): at d = 128 (128 x 64, 4 stages) one
+    CTA per SM, maxnreg 168, consumers 240, producer 24."""
     dq_resources(cfg, head_dim)  # validates the config
     return ws_split(cfg.num_warps, tree_dq_shared_bytes(cfg, head_dim))
 

@@ -76,10 +76,10 @@ def _tree_bwd(
     else:
         triton_dkdv(q, k, v, dout, lse, delta, dk, dv, dkdv_tiles, seq_args, scale, NO_MASK, key_end=key_end)
     dq_cfg = tree_configs.tree_dq_config(q, k, v)
-    if dq_cfg is not None:  # same blocks as the Triton dQ: the dq tables fit both
+    if dq_cfg is not None:  # the dq tables were built with its blocks (`tree_configs.dq_blocks`)
         gluon_tree_dq(q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end, scale, dq_cfg)
         return dq, dk, dv
-    config = launch_config("dq", head_dim, q.dtype, q.device)
+    config = launch_config("dq", head_dim, q.dtype, q.device)  # (the blocks of `tree_configs.dq_blocks`)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from packattn.ops.tree import configs as tree_configs
-from packattn.ops.varlen.configs import launch_config
 from packattn.ops.varlen.op import bwd_plan
 from packattn.ops.varlen.tiles import unmasked_band
 from packattn.tree.blocks import FULL, MASKED, block_end_range, block_kinds  # noqa: F401 (kinds re-exported)
@@ -69,10 +68,10 @@ def build_key_tiles(key_end: torch.Tensor, total: int, block_n: int, step: int) 
 
 def tree_tables(tree, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_grad: bool) -> tuple:
     """(key_end, fwd tiles, fwd intervals, dq tiles, dq intervals, dkdv tiles, extents), cached on the tree.
-    Built for the kernels `packattn.ops.tree.configs` picks on these tensors (the forward's blocks, the dQ
-    tables with the Triton dQ's blocks, which the Gluon tree dQ shares) and for the dK/dV pass of the varlen
-    rule (`bwd_plan`): both sides decide from dtypes, shapes and device only, so they agree."""
-    head_dim, dtype, device = q.shape[-1], q.dtype, q.device
+    Built for the kernels `packattn.ops.tree.configs` picks on these tensors (`fwd_blocks`, `dq_blocks`) and
+    for the dK/dV pass of the varlen rule (`bwd_plan`): both sides decide from dtypes, shapes and device only,
+    so they agree."""
+    device = q.device
     fwd_blocks = tree_configs.fwd_blocks(q, k, v)
     total = tree.total
     key_end = tree.cached("triton_tree_key_end", lambda: tree.row_subtree_end().to(torch.int32).contiguous())
@@ -83,9 +82,8 @@ def tree_tables(tree, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_gr
 
     fwd_tiles, fwd_intervals = query_tables(*fwd_blocks)
     if need_grad:
-        dq = launch_config("dq", head_dim, dtype, device)
         dkdv_keys, dkdv_step = bwd_plan(q, k, v).dkdv_choice[:2]
-        dq_tiles, dq_intervals = query_tables(dq.block_m, dq.block_n)
+        dq_tiles, dq_intervals = query_tables(*tree_configs.dq_blocks(q, k, v))
         dkdv_tiles = tree.cached(("triton_tree_key_tiles", dkdv_keys, dkdv_step),
                                  lambda: build_key_tiles(key_end, total, dkdv_keys, dkdv_step))
     else:

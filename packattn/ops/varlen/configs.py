@@ -1,6 +1,7 @@
 """Every tile table, threshold and per-GPU choice of the varlen kernels, in one place.
 
-* which kernels may run at all: `HEAD_DIMS`, `DTYPES`;
+* which kernels may run at all: `HEAD_DIMS`, `DTYPES`; where the sm_90 Gluon kernels may: `GLUON_HEAD_DIMS`,
+  `GLUON_DTYPES` (passed to `sm90.sm90_runs`; every Gluon table covers them, `_check_tables`);
 * the portable Triton kernels: `launch_config` over `HOPPER_CONFIGS` / `HOPPER_LONG_FWD_CONFIGS` (sm_90),
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
 * the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
@@ -30,6 +31,11 @@ from packattn.ops.runtime.support import cuda_index, interpreting
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The head dims and dtypes of the sm_90 Gluon kernels (the plans ask `sm90.sm90_runs` with these): `CONFIGS`,
+# `LONG_CONFIGS` and `DQ_CONFIGS` hold a config for each head dim, the other Gluon tables a subset
+# (`_check_tables`, at import and in `override`); a dim added here needs its configs, and vice versa.
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_DTYPES = (torch.float16, torch.bfloat16)
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs (NOTES.md, v7).
 LONG_SEQLEN = 8192
 # The Gluon forward runs when some sequence has >= GLUON_MIN_SEQLEN queries: on shorter documents the
@@ -262,7 +268,10 @@ def check_dq_config(cfg: GluonBwdConfig) -> None:
 
 
 def _check_tables() -> None:
-    """Every backward config in the tables (and forced by `override`) is one its kernel takes."""
+    """Every Gluon table covers the head dims of `GLUON_HEAD_DIMS` it must (`CONFIGS`, `LONG_CONFIGS`,
+    `DQ_CONFIGS`: all; the others: a subset, a short-batch forward config with its trimmed counterpart), and
+    every backward config in the tables (and forced by `override`) is one its kernel takes."""
+    _check_head_dims()
     for table in (DKDV_CONFIGS, DKDV_GQA_CONFIGS):
         for cfg in table.values():
             check_dkdv_config(cfg)
@@ -273,6 +282,23 @@ def _check_tables() -> None:
         check_dkdv_config(FORCE_DKDV)
     if FORCE_DQ is not None:
         check_dq_config(FORCE_DQ)
+
+
+def _check_head_dims() -> None:
+    """Raise ValueError where a Gluon table lacks a head dim of `GLUON_HEAD_DIMS` that its lookup needs, or holds
+    one the plans never ask for (it would be ignored)."""
+    dims = set(GLUON_HEAD_DIMS)
+    full = {"CONFIGS": CONFIGS, "LONG_CONFIGS": LONG_CONFIGS, "DQ_CONFIGS": DQ_CONFIGS}
+    partial = {"SHORT_CONFIGS": SHORT_CONFIGS, "SHORT_TRIM_CONFIGS": SHORT_TRIM_CONFIGS,
+               "DKDV_CONFIGS": DKDV_CONFIGS, "DKDV_GQA_CONFIGS": DKDV_GQA_CONFIGS, "DQ_SHORT_CONFIGS": DQ_SHORT_CONFIGS}
+    for name, table in full.items():
+        if set(table) != dims:
+            raise ValueError(f"{name} has head dims {sorted(table)}, GLUON_HEAD_DIMS {sorted(dims)}: one config each")
+    for name, table in partial.items():
+        if not set(table) <= dims:
+            raise ValueError(f"{name} has head dims {sorted(table)} outside GLUON_HEAD_DIMS {sorted(dims)}")
+    if not set(SHORT_CONFIGS) <= set(SHORT_TRIM_CONFIGS):
+        raise ValueError("every head dim of SHORT_CONFIGS needs a SHORT_TRIM_CONFIGS entry (`config_for`)")
 
 
 _check_tables()

@@ -11,7 +11,8 @@ import torch
 
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
-from packattn.ops.runtime.launch import LOG2E, _launch, _precision, block_d, mask_constexprs, mask_scalars
+from packattn.ops.runtime.launch import (LOG2E, NO_MASK, _launch, _precision, block_d, mask_constexprs,
+                                         mask_scalars)
 from packattn.ops.varlen.configs import PREPROCESS_BLOCK_M, launch_config
 
 
@@ -85,17 +86,22 @@ def _bwd_constexprs(head_dim: int, dtype: torch.dtype, mask: Mask) -> dict:
                 **mask_constexprs(mask))
 
 
-TREE_SCALARS = (0, 0, 0)  # the mask scalars of a tree dK/dV launch (unused: the constexprs say no window / chunk)
+# The mask scalars of a tree dK/dV launch (unused: the constexprs say no window / chunk). Zeros, not
+# `mask_scalars(NO_MASK)`: Triton specialises integer arguments on their value, and these keep the tree
+# kernel's specialisation (the same PTX as before).
+TREE_SCALARS = (0, 0, 0)
 
 
 def triton_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask,
                 key_end: torch.Tensor | None = None) -> None:
     """dK/dV pass over key tiles (`bwd_triton.bwd_dkdv_kernel`); ``key_end`` (int32 `Tree.row_subtree_end`):
-    the tree mask instead of ``mask`` (pass `launch.NO_MASK`)."""
+    the tree mask instead of ``mask`` (which is then ignored, as in `launch_sm90.gluon_dkdv`)."""
     from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel
 
     heads_kv = k.shape[1]
     tree = key_end is not None
+    if tree:
+        mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
     config = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
     args = (q, k, v, dout, lse, delta, dk, dv, tiles, *seq_args, key_end if tree else tiles,
             *_qkv_do_strides(q, k, v, dout), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),

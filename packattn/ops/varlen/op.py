@@ -26,7 +26,7 @@ import torch
 from packattn.lengths import short_batch
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_op
-from packattn.ops.runtime.launch import MASK_OPTIONS, _last_dim_contiguous, mask_from_options, mask_options
+from packattn.ops.runtime.launch import MASK_FIELDS, MASK_OPTIONS, _last_dim_contiguous, mask_from_options, mask_options
 from packattn.ops.runtime.sm90 import sm90_runs
 from packattn.ops.varlen import configs, launch_sm90, launch_triton
 from packattn.ops.varlen.launch_triton import new_output
@@ -34,10 +34,31 @@ from packattn.ops.varlen.tiles import tile_table
 from packattn.varlen import Varlen
 
 FWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "q_tiles", "dq_tiles", "dkdv_tiles")
-MASK_FIELDS = ("causal", "has_window", "window_left", "window_right", "chunk_size", "top_left")  # mask_options
 FWD_OPTIONS = (*MASK_FIELDS, "padded_q", "padded_kv", "long_seqs", "gluon", "short_seqs")
 BWD_TABLES = ("cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv", "dq_tiles", "dkdv_tiles")
 BWD_OPTIONS = (*MASK_FIELDS, "padded_q", "padded_kv", "short_seqs")
+# the fields read one at a time (both lists start with the mask's fields and the padding flags)
+_PADDED_Q, _PADDED_KV = FWD_OPTIONS.index("padded_q"), FWD_OPTIONS.index("padded_kv")
+_FWD_SHORT_SEQS, _BWD_SHORT_SEQS = FWD_OPTIONS.index("short_seqs"), BWD_OPTIONS.index("short_seqs")
+
+
+def batch_options(seqs: Varlen, mask: Mask, *fields) -> list:
+    """The options of a call on this batch: the mask's integers (`launch.mask_options`), ``padded_q``,
+    ``padded_kv``, then ``fields`` (the rest of `FWD_OPTIONS` or of `BWD_OPTIONS`)."""
+    return [*mask_options(mask), seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None,
+            *fields]
+
+
+def bwd_options(options: list[int], short_seqs: bool) -> list[int]:
+    """`BWD_OPTIONS` from ``options`` that start with the mask's fields and the padding flags (`FWD_OPTIONS`,
+    the traced op's `packattn.ops.varlen.traced.VARLEN_OPTIONS`) and ``short_seqs``."""
+    return [*options[:_PADDED_KV + 1], short_seqs]
+
+
+def read_options(options: list[int]) -> tuple[Mask, list[int]]:
+    """``(mask, the fields after the mask's)`` of an options list (`FWD_OPTIONS`, `BWD_OPTIONS`,
+    `packattn.ops.varlen.traced.VARLEN_OPTIONS`: each starts with `launch.MASK_FIELDS`)."""
+    return mask_from_options(*options[:MASK_OPTIONS]), options[MASK_OPTIONS:]
 
 
 # ---------------------------------------------------------------- plans
@@ -55,7 +76,7 @@ class BwdPlan:
 def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool = False) -> BwdPlan:
     """The backward passes on these tensors: the Gluon dK/dV (`configs.dkdv_config`) and dQ (`configs.dq_config`)
     where the sm_90 kernels may run (`sm90.sm90_runs`, strides aside: the launchers copy), else the Triton ones."""
-    gluon = sm90_runs(q, k, v, tma=False)
+    gluon = sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES)
     dkdv = configs.dkdv_config(q.shape[-1], q.shape[1] // k.shape[1]) if gluon else None
     dq = configs.dq_config(q.shape[-1], short_seqs) if gluon else None
     triton_dkdv = dkdv or configs.launch_config("dkdv", q.shape[-1], q.dtype, q.device)
@@ -80,27 +101,30 @@ def _check_choice(name: str, rows: str, cols: str, forward_choice: tuple, now: t
             "PACKATTN_PORTABLE or a configs.override changed after the forward; keep them until the backward")
 
 
+def bwd_tables(seqs: Varlen, mask: Mask, plan: BwdPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dq_tiles, dkdv_tiles)``: the tile tables of ``plan``'s dQ and dK/dV passes on this batch."""
+    return tile_table(seqs, mask, False, *plan.dq_choice[:2]), tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
+
+
 def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[list, list]:
     """``(tables, options)`` of `_varlen_fwd` for this batch (`FWD_TABLES`, `FWD_OPTIONS`): the forward kernel
     and config its lengths take, its tile tables, and with ``need_grad`` the backward's (`bwd_plan`)."""
     head_dim = q.shape[-1]
     long_seqs = seqs.max_seqlen_q >= configs.LONG_SEQLEN
     short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
-    gluon = seqs.max_seqlen_q >= configs.GLUON_MIN_SEQLEN and sm90_runs(q, k, v, tma=True)
+    gluon = (seqs.max_seqlen_q >= configs.GLUON_MIN_SEQLEN
+             and sm90_runs(q, k, v, True, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES))
     if gluon:
         fwd = configs.config_for(head_dim, long_seqs, short_seqs, q.device)
     else:
         fwd = configs.launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     if need_grad:
-        plan = bwd_plan(q, k, v, short_seqs)
-        dq_tiles = tile_table(seqs, mask, False, *plan.dq_choice[:2])
-        dkdv_tiles = tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
+        dq_tiles, dkdv_tiles = bwd_tables(seqs, mask, bwd_plan(q, k, v, short_seqs))
     else:
         dq_tiles = dkdv_tiles = q_tiles[:0]
-    padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
     tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.offsets_q, seqs.offsets_kv, q_tiles, dq_tiles, dkdv_tiles]
-    return tables, [*mask_options(mask), padded_q, padded_kv, long_seqs, gluon, short_seqs]
+    return tables, batch_options(seqs, mask, long_seqs, gluon, short_seqs)
 
 
 # ---------------------------------------------------------------- forward
@@ -112,8 +136,7 @@ def _varlen_fwd(
     carried for the backward); ``options``: `FWD_OPTIONS` (``long_seqs``, ``gluon``, ``short_seqs``: the kernel
     and config ``q_tiles`` was built for). ``pad_rows_*``: the rows in no sequence (`Varlen.padding_rows`), or
     None. ``scale >= 0``."""
-    mask = mask_from_options(*options[:MASK_OPTIONS])
-    padded_q, _padded_kv, long_seqs, gluon, short_seqs = options[MASK_OPTIONS:]
+    mask, (padded_q, _padded_kv, long_seqs, gluon, short_seqs) = read_options(options)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     total_q, heads_q, head_dim = q.shape
     # rows in no sequence are never written by the kernels: they must start as zeros / -inf
@@ -146,16 +169,15 @@ def _varlen_bwd(
     fused into the dK/dV pass through atomics measured slower, benchmarks/NOTES.md v2). ``tables``:
     `BWD_TABLES`; ``options``: `BWD_OPTIONS`; ``lse`` / ``out`` may be those of a larger attention this one is
     a part of (`backward_with_stats`). The passes are `bwd_plan`'s."""
-    return _varlen_bwd_planned(bwd_plan(q, k, v, bool(options[-1])), dout, dlse, q, k, v, out, lse, tables,
-                               pad_rows_q, pad_rows_kv, scale, options)
+    return _varlen_bwd_planned(bwd_plan(q, k, v, bool(options[_BWD_SHORT_SEQS])), dout, dlse, q, k, v, out, lse,
+                               tables, pad_rows_q, pad_rows_kv, scale, options)
 
 
 def _varlen_bwd_planned(plan: BwdPlan, dout, dlse, q, k, v, out, lse, tables, pad_rows_q, pad_rows_kv,
                         scale: float, options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_varlen_bwd` running the passes of ``plan``: the preprocess (`launch_triton.bwd_delta`), the dK/dV pass,
     the dQ pass; or, where `fuses_delta` says so, the dQ pass computing delta, then the dK/dV pass."""
-    mask = mask_from_options(*options[:MASK_OPTIONS])
-    padded_q, padded_kv = options[MASK_OPTIONS], options[MASK_OPTIONS + 1]
+    mask, (padded_q, padded_kv, _short_seqs) = read_options(options)
     dout, q, k, v, out = (_last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
                           _last_dim_contiguous(v), _last_dim_contiguous(out))
     lse = lse.contiguous()
@@ -213,8 +235,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, tables, pad_rows_q, pad_rows_kv, scale, options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *tables[:4], tables[5], tables[6], pad_rows_q, pad_rows_kv)
-    short_seqs = bool(options[-1])
-    ctx.scale, ctx.options = scale, [*options[:MASK_OPTIONS + 2], short_seqs]  # BWD_OPTIONS
+    short_seqs = bool(options[_FWD_SHORT_SEQS])
+    ctx.scale, ctx.options = scale, bwd_options(options, short_seqs)
     ctx.plan = bwd_plan(q, k, v, short_seqs)  # what dq_tiles / dkdv_tiles were built for (checked in the backward)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term in the backward
 
@@ -227,7 +249,7 @@ def _backward_through(bwd):
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *tables, pad_rows_q, pad_rows_kv = ctx.saved_tensors
-        plan = bwd_plan(q, k, v, ctx.options[-1])
+        plan = bwd_plan(q, k, v, ctx.plan.short_seqs)
         check_plan(ctx.plan, plan)
         if dout is None:
             dout = torch.zeros_like(out)
@@ -247,7 +269,7 @@ def attention(q, k, v, seqs: Varlen, mask: Mask, scale: float) -> tuple[torch.Te
     """``(out, lse)`` of varlen attention, differentiable (eagerly through `fast_op`); ``scale >= 0``."""
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     tables, options = forward_plan(q, k, v, seqs, mask, need_grad)
-    padded_q, padded_kv = options[MASK_OPTIONS], options[MASK_OPTIONS + 1]
+    padded_q, padded_kv = options[_PADDED_Q], options[_PADDED_KV]
     return fast_op.call(varlen_fwd, _VarlenFwdEager.apply, q, k, v, tables,
                         seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None,
                         scale, options)
@@ -255,14 +277,14 @@ def attention(q, k, v, seqs: Varlen, mask: Mask, scale: float) -> tuple[torch.Te
 
 def backward_with_stats(q, k, v, seqs: Varlen, mask: Mask, out, lse, dout, dlse, scale: float):
     """``(dq, dk, dv)`` of varlen attention taken with the softmax statistics ``out`` / ``lse`` of a larger
-    attention this one is a part of (`Backend.backward_from_stats`); ``scale >= 0``. The passes and tile
-    tables are those the backward of this batch takes (`bwd_plan`)."""
+    attention this one is a part of (`Backend.backward_from_stats`: ``lse`` float32 ``(heads_q, total_q)``, as
+    the kernels read it; the backward makes it contiguous); ``scale >= 0``. The passes and tile tables are those
+    the backward of this batch takes (`bwd_plan`)."""
     short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
     plan = bwd_plan(q, k, v, short_seqs)
-    padded_q, padded_kv = seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None
-    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.offsets_q, seqs.offsets_kv,
-              tile_table(seqs, mask, False, *plan.dq_choice[:2]), tile_table(seqs, mask, True, *plan.dkdv_choice[:2])]
-    options = [*mask_options(mask), padded_q, padded_kv, short_seqs]
-    return fast_op.call(varlen_bwd, _varlen_bwd, dout, dlse, q, k, v, out, lse.float().contiguous(), tables,
+    tables = [seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.offsets_q, seqs.offsets_kv, *bwd_tables(seqs, mask, plan)]
+    options = batch_options(seqs, mask, short_seqs)
+    padded_q, padded_kv = options[_PADDED_Q], options[_PADDED_KV]
+    return fast_op.call(varlen_bwd, _varlen_bwd, dout, dlse, q, k, v, out, lse, tables,
                         seqs.padding_rows("q") if padded_q else None, seqs.padding_rows("kv") if padded_kv else None,
                         scale, options)

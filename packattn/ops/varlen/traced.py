@@ -16,19 +16,17 @@ import torch
 
 from packattn.lengths import short_batch
 from packattn.mask import Mask
-from packattn.ops.runtime.launch import MASK_OPTIONS, mask_from_options, mask_options
+from packattn.ops.runtime.launch import MASK_FIELDS, mask_options
 from packattn.ops.varlen import op
-from packattn.ops.varlen.tiles import tile_table
 from packattn.varlen import Varlen
 
 # the integers of a traced varlen call: the mask's (`launch.mask_options`), the padding flags, the longest lengths
-VARLEN_OPTIONS = (*op.MASK_FIELDS, "padded_q", "padded_kv", "max_seqlen_q", "max_seqlen_kv")
+VARLEN_OPTIONS = (*MASK_FIELDS, "padded_q", "padded_kv", "max_seqlen_q", "max_seqlen_kv")
 
 
 def _batch(q, k, seq: list[torch.Tensor], options: list[int]) -> tuple[Varlen, Mask]:
     """The descriptor and mask of a traced call, rebuilt from the op's inputs (no host lengths)."""
-    mask = mask_from_options(*options[:MASK_OPTIONS])
-    padded_q, padded_kv, max_q, max_kv = options[MASK_OPTIONS:]
+    mask, (padded_q, padded_kv, max_q, max_kv) = op.read_options(options)
     cu_q, cu_kv, offsets_q, offsets_kv = seq
     seqs = Varlen(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, cu_seqlens_q_padded=offsets_q if padded_q else None,
                   cu_seqlens_kv_padded=offsets_kv if padded_kv else None, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
@@ -59,10 +57,9 @@ def traced_varlen_bwd(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Te
     seqs, mask = _batch(q, k, seq, options)
     short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
     plan = op.bwd_plan(q, k, v, short_seqs)
-    tables = [*seq, tile_table(seqs, mask, False, *plan.dq_choice[:2]),
-              tile_table(seqs, mask, True, *plan.dkdv_choice[:2])]
-    bwd_options = [*options[:MASK_OPTIONS + 2], short_seqs]  # op.BWD_OPTIONS
-    return op._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, tables, None, None, scale, bwd_options)
+    tables = [*seq, *op.bwd_tables(seqs, mask, plan)]
+    return op._varlen_bwd_planned(plan, dout, dlse, q, k, v, out, lse, tables, None, None, scale,
+                                  op.bwd_options(options, short_seqs))
 
 
 @traced_varlen_bwd.register_fake
