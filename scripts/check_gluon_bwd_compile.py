@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import HEAD_DIMS, _smem_layout, ws_split  # noqa: E402
+from packattn.ops.runtime.sm90 import _smem_layout, ws_split  # noqa: E402
 from packattn.ops.tree.configs import TREE_DQ_CONFIGS  # noqa: E402
 from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel  # noqa: E402
 from packattn.ops.tree.launch_sm90 import tree_dq_resources  # noqa: E402
@@ -56,6 +56,7 @@ from packattn.ops.varlen.launch_sm90 import dkdv_resources, dq_resources  # noqa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_gluon_compile import sass_register_regions  # noqa: E402
+from ptx_identity import kernel_signature  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
@@ -161,24 +162,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg,
             if not delta_from_o:
                 constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
         options.update(num_warps=4, maxnreg=res["maxnreg"])
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("q_desc", "do_desc", "o_desc"):
-            signature[name] = _descriptor_type(dtype, [cfg.block_m, head_dim])
-        elif name in ("k_desc", "v_desc"):
-            signature[name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
-        elif name in ("dK", "dV", "dQ"):
-            signature[name] = "*" + dtype_name
-        elif name in ("Lse", "Delta"):
-            signature[name] = "*fp32"
-        elif name in INT_POINTERS:
-            signature[name] = "*i32"
-        elif name in ("qk_scale_log2", "scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = kernel_signature(fn, constexprs, _descriptor_type(dtype, [cfg.block_m, head_dim]),
+                                 _descriptor_type(dtype, [cfg.block_n, head_dim]), "*" + dtype_name, INT_POINTERS)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
     src = GluonASTSource(fn, signature, constants, attrs)
@@ -205,9 +190,9 @@ def overlap_proof(compiled, carries_ds: bool = True) -> tuple[bool, str]:
     """Are wgmma's left in flight across P and dS? The TTGIR main loop must wait with pendings = 2
     (S done; dP and the previous block's dK / dQ in flight during P) and pendings = 1 (dV / dQ in
     flight during dS); the PTX loop must hold ``wgmma.wait_group 2`` and ``1`` beside wgmma and ex2.
-    The warp-specialised dK/dV kernel (`varlen_bwd_gluon_ws`) issues dK within its step (no dS^T
+    The warp-specialised dK/dV kernel (`bwd_dkdv_sm90`) issues dK within its step (no dS^T
     carried across steps: no room in 240 registers), and so does the warp-specialised dQ kernel
-    (`varlen_bwd_gluon_dq_ws`) with 2 stages: ``carries_ds=False``, only the ``1`` waits are needed
+    (`bwd_dq_sm90`) with 2 stages: ``carries_ds=False``, only the ``1`` waits are needed
     (dP in flight during P)."""
     waits = (2, 1) if carries_ds else (1, )
     loops = [b for b in _scf_for_bodies(compiled.asm["ttgir"]) if "ttng.warp_group_dot " in b]
@@ -232,7 +217,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(configs.GLUON_HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
                         help="block_m,block_n,stages,num_warps[,ws] instead of the launchers' configuration, "

@@ -36,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import HEAD_DIMS, _smem_layout  # noqa: E402
+from packattn.ops.runtime.sm90 import _smem_layout  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
@@ -287,7 +287,7 @@ def _check_job(job):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(configs.GLUON_HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "

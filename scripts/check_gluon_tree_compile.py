@@ -20,8 +20,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import HEAD_DIMS  # noqa: E402
-from packattn.ops.tree.configs import TREE_FWD_CONFIGS  # noqa: E402
+from packattn.ops.tree.configs import GLUON_HEAD_DIMS, TREE_FWD_CONFIGS  # noqa: E402
 from packattn.ops.tree.fwd_sm90 import tree_fwd_gluon_kernel  # noqa: E402
 from packattn.ops.tree.launch_sm90 import tree_fwd_resources, tree_fwd_shared_bytes  # noqa: E402
 
@@ -64,7 +63,7 @@ def check_tree(dtype_name: str, head_dim: int, config_text: str | None, dump: st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(GLUON_HEAD_DIMS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the launcher's (repeatable): "
                              "block_m,block_n,stages,num_warps")

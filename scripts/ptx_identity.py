@@ -170,6 +170,33 @@ INT_POINTERS = ("tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_
 OUT_POINTERS = ("Out", "dK", "dV", "dQ")
 
 
+def kernel_signature(fn, constexprs: dict, q_desc: str, kv_desc: str, out: str,
+                     int_pointers: tuple[str, ...] = INT_POINTERS) -> dict:
+    """``triton.compile`` signature of a Gluon sm90 kernel ``fn``, by argument name: ``constexpr`` for the
+    names in ``constexprs``, ``q_desc`` for the Q / dO / O descriptors, ``kv_desc`` for K / V, ``out`` for
+    the output pointers (`OUT_POINTERS`), float32 pointers for lse / delta, int32 pointers for the tables
+    (``int_pointers``), float32 scales and int32 for every other argument."""
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("q_desc", "do_desc", "o_desc"):
+            signature[arg] = q_desc
+        elif arg in ("k_desc", "v_desc"):
+            signature[arg] = kv_desc
+        elif arg in OUT_POINTERS:
+            signature[arg] = out
+        elif arg in ("Lse", "Delta"):
+            signature[arg] = "*fp32"
+        elif arg in int_pointers:
+            signature[arg] = "*i32"
+        elif arg in ("qk_scale_log2", "scale"):
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+    return signature
+
+
 def _compile(spec: dict, new: bool):
     import importlib
 
@@ -197,24 +224,7 @@ def _compile(spec: dict, new: bool):
         layout = gl.NVMMASharedLayout.get_default_for([rows, spec["d"]], gl.bfloat16)
         return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), [rows, spec["d"]], layout))
 
-    signature = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in ("q_desc", "do_desc", "o_desc"):
-            signature[arg] = desc(spec["bm"])
-        elif arg in ("k_desc", "v_desc"):
-            signature[arg] = desc(spec["bn"])
-        elif arg in OUT_POINTERS:
-            signature[arg] = "*bf16"
-        elif arg in ("Lse", "Delta"):
-            signature[arg] = "*fp32"
-        elif arg in INT_POINTERS:
-            signature[arg] = "*i32"
-        elif arg in ("qk_scale_log2", "scale"):
-            signature[arg] = "fp32"
-        else:
-            signature[arg] = "i32"
+    signature = kernel_signature(fn, constexprs, desc(spec["bm"]), desc(spec["bn"]), "*bf16")
     aligned = set(INT_POINTERS) | set(OUT_POINTERS) | {"Lse", "Delta"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg in aligned or arg.startswith("stride_")}

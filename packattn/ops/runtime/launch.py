@@ -1,6 +1,6 @@
 """What the launchers of every kernel family share: `LaunchConfig` (a Triton kernel's blocks and launch
 options; the tables are each family's ``configs``), `_launch`, which retries a launch that ran out of
-shared memory with fewer pipeline stages (the launch itself: `packattn.ops.runtime.fast_launch`), `LOG2E`,
+shared memory with fewer pipeline stages (the launch itself: `packattn.ops.runtime.fast_launch`), `LOG2E` / `LN2`,
 the mask's kernel arguments (`mask_constexprs`, `mask_scalars`, and `mask_options` / `mask_from_options`
 across a custom op's schema), and the rule for a negative scale (`nonnegative_scale`).
 """
@@ -19,6 +19,7 @@ from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.support import interpreting
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels take exp2 of scores scaled by scale * LOG2E
+LN2 = 1.0 / LOG2E  # ln(2) (the float 0.6931471805599453): lse = (m + log2(l)) * LN2 from the base-2 state
 
 
 # ---------------------------------------------------------------- launch configurations

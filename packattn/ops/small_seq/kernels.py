@@ -32,7 +32,7 @@ import triton.language as tl
 
 from packattn.ops.runtime import launch
 
-LN2 = tl.constexpr(1.0 / launch.LOG2E)  # ln(2); a constexpr: used inside the kernels
+LN2 = tl.constexpr(launch.LN2)  # a constexpr: used inside the kernels
 
 
 @triton.jit

@@ -7,14 +7,15 @@ from the preprocess (`packattn.ops.varlen.launch_triton.bwd_delta`), no atomics:
 `packattn.ops.tree.tables.build_query_tiles` built for ``BLOCK_M = 128`` queries and ``BLOCK_N``
 keys: ``tiles`` rows ``[q_start, first_interval, num_intervals]``, ``intervals`` rows ``[lo, hi, kind]``
 (block-aligned key rows; kind 0 skipped, 1 element mask, 2 every pair visible). One program per
-(query tile, query head) in head sections (`packattn.ops.varlen.fwd_sm90._section_order`); kv head ``head // group_size``.
+(query tile, query head) in head sections (`packattn.ops.varlen.common_sm90_ws._section_order`); kv head
+``head // group_size``.
 
 The partitions, ring, barriers, tail rendezvous and register split are those of
 `packattn.ops.varlen.bwd_dq_sm90` (read its module docstring): a 1-warp producer and two
 consumer warp groups of 64 queries. The difference is the walk: instead of one key range, the
 visible intervals of the tile in order, and in each the key blocks ``lo, lo + BLOCK_N, ... < hi``.
 The producer walks them interval by interval; the consumers with the tree forward's cursor
-(`packattn.ops.tree.fwd_sm90._first_block` / `_next_block`: interval index, block start, interval end, kind),
+(`packattn.ops.tree.common_sm90._first_block` / `_next_block`: interval index, block start, interval end, kind),
 which yields the same blocks in the same order (`build_query_tiles` stores maximal runs: a kind-0
 row is always followed by a visible one, every visible row holds at least one block). All three
 partitions count the same ring steps ``j`` (all blocks of the tile so far), so slot ``j % STAGES``
@@ -39,7 +40,8 @@ only for masked blocks (kind 1). Chosen over loads by the consumers: the copy is
 load would be issued after the block's S wgmma at best and its global latency (a few hundred
 cycles on an L2 hit) sits on the consumer's critical path in every masked block; the consumers
 keep no 64-bit addresses for it either. Keys past ``total`` land as 0 (cp.async zero fill): no
-query sees them. The consumers read the slot in masked blocks only (`_probs_tree`).
+query sees them. The consumers read the slot in masked blocks only
+(`packattn.ops.varlen.bwd_dq_sm90._probs_tree`).
 
 Rows past ``total``: K / V rows of the tail block are zeroed in shared memory (the varlen tail
 rendezvous, ``len_kv = total``), query rows past ``total`` get P = 0 (lse ``+inf``) and are not stored.
@@ -55,12 +57,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.tree.fwd_sm90 import _count_blocks, _ends_copy, _first_block, _next_block
-from packattn.ops.varlen.bwd_sm90 import _lse_log2, _row_vector, _store_tile
+from packattn.ops.tree.common_sm90 import _count_blocks, _ends_copy, _first_block, _next_block
+from packattn.ops.varlen.bwd_common_sm90 import _lse_log2, _row_vector, _store_tile
+# the varlen warp-specialised dQ kernel's step and buffers: the tree dQ is that kernel with the tree's block walk
 from packattn.ops.varlen.bwd_dq_sm90 import WG_ROWS, _dq_ws_buffers, _dq_ws_step
-from packattn.ops.varlen.bwd_dq_sm90_load import _program_id
 from packattn.ops.varlen.common_sm90 import _load_kv_block, mma_layout
-from packattn.ops.varlen.fwd_sm90 import _section_order
+from packattn.ops.varlen.common_sm90_ws import _program_id, _section_order
 
 MASKED = gl.constexpr(1)  # interval kinds of `packattn.ops.tree.tables.build_query_tiles` (0: no key visible)
 FULL = gl.constexpr(2)
@@ -69,8 +71,8 @@ FULL = gl.constexpr(2)
 @gluon.jit
 def _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section, OPAQUE_PID: gl.constexpr = False):
     """``(head, kv_head, q_start, first_interval, num_intervals)`` of this program (one program per
-    work item, in `packattn.ops.varlen.fwd_sm90._section_order`); ``OPAQUE_PID``: see
-    `packattn.ops.varlen.bwd_dq_sm90_load._program_id`."""
+    work item, in `packattn.ops.varlen.common_sm90_ws._section_order`); ``OPAQUE_PID``: see
+    `packattn.ops.varlen.common_sm90_ws._program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
     tile, head = _section_order(pid, heads_per_section, gl.num_programs(0) // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)

@@ -55,60 +55,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from packattn.ops.tree.common_sm90 import _count_blocks, _ends_copy, _first_block, _next_block
 from packattn.ops.varlen.common_sm90 import (_issue_qk, _load_kv_block, _softmax_full, _softmax_masked, _to_operand,
                                                mma_layout)
-from packattn.ops.varlen.fwd_sm90 import _section_order, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
+from packattn.ops.varlen.common_sm90_ws import _section_order, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 
 
-# ---------------------------------------------------------------- the block walk (every partition)
-@gluon.jit
-def _interval(intervals, index, first, last):
-    """Interval row ``[lo, hi, kind]`` at ``index`` clamped to the tile's rows ``[first, last]``."""
-    at = intervals + gl.maximum(gl.minimum(index, last), first) * 3
-    return gl.load(at), gl.load(at + 1), gl.load(at + 2)
-
-
-@gluon.jit
-def _enter(intervals, index, first, last):
-    """Cursor ``(index, lo, hi, kind)`` at the first visible interval from ``index`` on: a kind-0 row
-    is followed by a visible one (the table holds maximal runs), so at most one row is skipped."""
-    lo, hi, kind = _interval(intervals, index, first, last)
-    if kind == 0:
-        index += 1
-        lo, hi, kind = _interval(intervals, index, first, last)
-    return index, lo, hi, kind
-
-
-@gluon.jit
-def _first_block(intervals, first, last):
-    """Cursor ``(interval index, block start, interval end, kind)`` at the tile's first visible block."""
-    return _enter(intervals, first, first, last)
-
-
-@gluon.jit
-def _next_block(intervals, index, n, hi, kind, first, last, BLOCK_N: gl.constexpr):
-    """The cursor one block on; past the tile's last visible block it stays on the last row
-    (harmless: nobody uses it)."""
-    n += BLOCK_N
-    if n >= hi:
-        index, n, hi, kind = _enter(intervals, index + 1, first, last)
-    return index, n, hi, kind
-
-
-@gluon.jit
-def _count_blocks(intervals, first, count, BLOCK_N: gl.constexpr):
-    """Key blocks of the tile's visible intervals."""
-    total = count * 0
-    for i in range(first, first + count):
-        lo, hi, kind = _interval(intervals, i, first, first + count - 1)
-        total += gl.where(kind != 0, (hi - lo) // BLOCK_N, 0)
-    return total
-
-
+# ---------------------------------------------------------------- work item (every partition)
 @gluon.jit
 def _tree_item(tiles, intervals, w, num_heads_q, group_size, num_work, heads_per_section, HEAD_DIM: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` (`packattn.ops.varlen.fwd_sm90._section_order`): ``(head, col_kv, q_start, first,
+    """Decode work item ``w`` (`packattn.ops.varlen.common_sm90_ws._section_order`): ``(head, col_kv, q_start, first,
     last, num_blocks)`` with ``[first, last]`` the tile's interval rows."""
     tile, head = _section_order(w, heads_per_section, num_work // num_heads_q * heads_per_section)
     q_start = gl.load(tiles + tile * 3)
@@ -119,15 +76,6 @@ def _tree_item(tiles, intervals, w, num_heads_q, group_size, num_work, heads_per
 
 
 # ---------------------------------------------------------------- producer
-@gluon.jit
-def _ends_copy(key_end, n, total, buf, BLOCK_N: gl.constexpr):
-    """cp.async ``key_end[n : n + BLOCK_N]`` into ``buf`` (the producer's one warp); keys past
-    ``total`` are not read and land as 0."""
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-    offs = gl.arange(0, BLOCK_N, layout=layout)
-    async_copy.async_copy_global_to_shared(buf, key_end + n + offs, mask=offs < total - n)
-
-
 @gluon.jit
 def _load_tree_block(k_desc, v_desc, key_end, k_bufs, v_bufs, ends_bufs, ready, empty, g, n, kind, col_kv, total,
                      STAGES: gl.constexpr, BLOCK_N: gl.constexpr):

@@ -1,8 +1,8 @@
 """Warp-specialised dK/dV backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Computes dK (times ``scale``) and dV under the contract of `packattn.ops.varlen.bwd_sm90` (module docstring):
-one program per (key tile of ``BLOCK_N`` keys, kv head) in head sections, tile-table rows ``[seq, k_start,
-m_lo, m_mid_lo, m_mid_hi, m_hi]`` from ``tile_table(seqs, mask, True, BLOCK_N, BLOCK_M)``; the GQA group's
+Computes dK (times ``scale``) and dV under the contract of `packattn.ops.varlen.bwd_common_sm90` (module
+docstring): one program per (key tile of ``BLOCK_N`` keys, kv head) in head sections, tile-table rows ``[seq,
+k_start, m_lo, m_mid_lo, m_mid_hi, m_hi]`` from ``tile_table(seqs, mask, True, BLOCK_N, BLOCK_M)``; the GQA group's
 query heads in order and, per head, the query blocks ``m_lo + i * BLOCK_M``; the element mask only outside
 the fully visible band; keys no query sees get dK = dV = 0; a tile without steps loads nothing and stores
 zeros. This module holds the consumers and the kernel; the decode and the producer are in
@@ -68,17 +68,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.bwd_sm90 import LOG2E, _aligned_range_of_keys, _store_tile
+from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _aligned_range_of_keys, _store_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
 from packattn.ops.varlen.common_sm90 import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.fwd_sm90 import _opaque_num_programs, _opaque_program_id, _ring_barriers
+from packattn.ops.varlen.common_sm90_ws import _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # ---------------------------------------------------------------- consumers
 @gluon.jit
 def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: the visibility of `bwd_sm90._aligned_range_of_keys` solved for
+    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: the visibility of `bwd_common_sm90._aligned_range_of_keys` solved for
     ``q`` once per consumer (``aligned = q + shift`` with ``shift = 0`` top-left, ``len_kv - len_q``
     bottom-right; ``q < len_q``), so that a masked block compares its query positions with two
     per-key bounds: no per-block key arithmetic, no loop-invariant per-query vectors for LLVM to
@@ -209,7 +209,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
 def _store_dkdv(dk, dv, dK, dV, dk_stage, dv_stage, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
                 stride_dk_head, stride_dv_row, stride_dv_head, scale, HEAD_DIM: gl.constexpr):
     """Store this consumer's rows ``first_key ...`` (those before ``len_kv``) of dV and ``dK * scale``,
-    staged through ``dv_stage`` / ``dk_stage`` (`bwd_sm90._store_tile`)."""
+    staged through ``dv_stage`` / ``dk_stage`` (`bwd_common_sm90._store_tile`)."""
     row0_kv64 = row0_kv.to(gl.int64)
     _store_tile(dv, dv_stage, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head, first_key,
                 len_kv, stride_dv_row, WG_KEYS, HEAD_DIM, 4)

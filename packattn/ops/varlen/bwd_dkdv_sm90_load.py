@@ -10,7 +10,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.varlen.common_sm90 import _tile_row
-from packattn.ops.varlen.fwd_sm90 import _section_order
+from packattn.ops.varlen.common_sm90_ws import _section_order
 
 
 @gluon.jit
@@ -35,7 +35,7 @@ def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLO
     """cp.async ``lse`` (``buf[:BLOCK_M]``) and ``delta`` (``buf[BLOCK_M:]``) of query head ``g`` of the
     group, queries ``m_start ...`` (``lse_row`` / ``delta_row``: the group's first head, the sequence's
     first row); positions past ``len_q`` are not read and land as 0 (harmless: their Q and dO rows
-    are zeroed before any product, see `_dkdv_ws_step`)."""
+    are zeroed before any product, see `bwd_dkdv_sm90._dkdv_ws_step`)."""
     layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the producer's one warp
     off = g.to(gl.int64) * stride_lse_head + m_start
     offs = gl.arange(0, BLOCK_M, layout=layout)

@@ -1,6 +1,6 @@
 """Warp-specialised dQ backward for Hopper (sm_90a), written in Gluon (FlashAttention-3 style).
 
-Computes dQ (times ``scale``) under the contract of `packattn.ops.varlen.bwd_sm90` (module docstring): one
+Computes dQ (times ``scale``) under the contract of `packattn.ops.varlen.bwd_common_sm90` (module docstring): one
 program per (query tile of ``BLOCK_M`` queries, query head) in head sections, tile-table rows ``[seq, q_start,
 n_lo, n_mid_lo, n_mid_hi, n_hi]`` from ``tile_table(seqs, mask, False, BLOCK_M, BLOCK_N)``, key blocks ``n_lo +
 j * BLOCK_N`` in order, kv head ``head // group_size``; queries that see no key get dQ = 0; a tile without key
@@ -50,11 +50,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.bwd_sm90 import _lse_log2, _probs, _row_vector, _store_tile
+from packattn.ops.varlen.bwd_common_sm90 import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.ops.varlen.bwd_dq_sm90_delta import _delta_from_o
 from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile, _dq_ws_producer
 from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.fwd_sm90 import (_ring_barriers)
+from packattn.ops.varlen.common_sm90_ws import _ring_barriers
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -63,7 +63,7 @@ WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 
 @gluon.jit
 def _probs_tree(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, ends, qk_scale_log2, BLOCK_N: gl.constexpr,
                 s_layout: gl.constexpr):
-    """`bwd_sm90._probs` with the tree mask (`packattn.ops.tree.kernels_triton`): query ``t`` sees key ``s``
+    """`bwd_common_sm90._probs` with the tree mask (`packattn.ops.tree.kernels_triton`): query ``t`` sees key ``s``
     iff ``s <= t < key_end[s]``; ``ends``: shared memory holding ``key_end`` of the block's keys (0 past
     the tree: no query sees them), read only in masked blocks."""
     p = gl.exp2(s * qk_scale_log2 - lse_log2[:, None])

@@ -4,7 +4,7 @@ no dlse term), so the backward drops that kernel (`packattn.ops.varlen.op.fuses_
 before the dK/dV pass, which reads the delta it wrote). One consumer or two, each summing its own 64 rows.
 
 * Producer (`packattn.ops.varlen.bwd_dq_sm90_load`): O by TMA with Q and dO on ``q_bar``.
-* Consumer: no delta load. The tile's first ring step (`_dq_ws_step` with ``DELTA_FROM_O``) issues S[0] and
+* Consumer: no delta load. The tile's first ring step (`bwd_dq_sm90._dq_ws_step` with ``DELTA_FROM_O``) issues S[0] and
   dP[0], then computes delta while they run (`_delta_from_o`: dO and O from shared memory in 64-column chunks,
   each in a wgmma accumulator layout, float32 products, the row sum inside quads of lanes, so it lands in the
   row layout of lse / delta with no shared-memory exchange), stores it to ``Delta`` for the rows ``< len_q``,
@@ -32,7 +32,7 @@ def _delta_from_o(do_wg, o_wg, delta_ptr, delta_rows, s_layout: gl.constexpr, HE
     """``delta[i] = sum_d dO[i, d] O[i, d]`` in float32 for the warp group's 64 rows, from shared memory
     (``do_wg`` / ``o_wg``, ``[64, HEAD_DIM]``), in the row layout of ``s_layout`` (``SliceLayout(1,
     s_layout)``: that of lse / delta in the steps); stored to ``delta_ptr[i]`` for ``i < delta_rows``
-    (the rows inside the sequence: the masked store of `bwd_sm90._row_vector`'s addresses).
+    (the rows inside the sequence: the masked store of `bwd_common_sm90._row_vector`'s addresses).
     The columns in chunks of 64, each loaded in a wgmma accumulator layout of 64 columns (pairs of
     elements per thread, the row sum inside a quad of lanes), so that the sums land in the accumulators'
     row layout without a shared-memory exchange and few registers are live."""

@@ -3,7 +3,7 @@ describes the partitions and barriers): the work-item decode every partition sha
 producer partition (per tile Q and dO -- and O with ``DELTA_FROM_O`` -- by TMA on ``q_bar``, then the key
 blocks into the K / V ring).
 
-Producer and consumers decode the same tile-table row (`packattn.ops.varlen.fwd_sm90._work_item`, ``num_blocks
+Producer and consumers decode the same tile-table row (`packattn.ops.varlen.common_sm90_ws._work_item`, ``num_blocks
 = 0`` for an unused row) and walk ``j = 0 .. num_blocks-1`` in the same order, so ring slot ``j % STAGES`` and
 parity ``(j // STAGES) & 1`` agree. ``empty[slot]`` counts one arrival per consumer; the producer's first
 ``STAGES`` waits (parity 1 on fresh barriers) pass at once. With ``DELTA_FROM_O`` one ``expect`` covers the
@@ -15,25 +15,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.varlen.common_sm90 import _load_kv_block
-from packattn.ops.varlen.fwd_sm90 import _opaque_program_id, _work_item
-
-
-@gluon.jit
-def _program_id(like, OPAQUE_PID: gl.constexpr):
-    """The program id; ``OPAQUE_PID``: read through inline asm that LLVM may not merge with an earlier
-    read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
-    the tile row again instead of keeping the first decode's scalars in registers across the main loop."""
-    if OPAQUE_PID:
-        pid = _opaque_program_id(like)
-    else:
-        pid = gl.program_id(0)
-    return pid
+from packattn.ops.varlen.common_sm90_ws import _program_id, _work_item
 
 
 @gluon.jit
 def _dq_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
              heads_per_section, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPAQUE_PID: gl.constexpr = False):
-    """`_work_item` of this program (one program per work item, in `_section_order`); ``OPAQUE_PID``:
+    """`_work_item` of this program (one program per work item, in `common_sm90_ws._section_order`); ``OPAQUE_PID``:
     see `_program_id`."""
     pid = _program_id(num_heads_q, OPAQUE_PID)
     return _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, pid, num_heads_q, group_size,

@@ -17,6 +17,9 @@
 
 Rule every kernel follows: no wgmma is in flight across a loop's back edge (ptxas serialises every wgmma of
 the kernel otherwise, warning C7514).
+
+Warp-specialisation plumbing (work split, ring barriers, the ws forward's pieces) is in
+`packattn.ops.varlen.common_sm90_ws`, the backward's helpers in `packattn.ops.varlen.bwd_common_sm90`.
 """
 
 from triton.experimental import gluon
@@ -27,10 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
     warpgroup_mma,
 )
-
-from packattn.ops.runtime import launch
-
-LN2 = gl.constexpr(1.0 / launch.LOG2E)  # ln(2), the same float as 0.6931471805599453
 
 
 # ---------------------------------------------------------------- layouts (compile-time helpers)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from packattn.ops.runtime import launch
 
-LN2 = tl.constexpr(1.0 / launch.LOG2E)  # ln(2)
+LN2 = tl.constexpr(launch.LN2)
 
 
 @triton.jit

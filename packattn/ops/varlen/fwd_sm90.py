@@ -4,14 +4,14 @@ Computes what `packattn.ops.varlen.fwd_triton.varlen_fwd_kernel` computes (tile-
 lo, mid_lo, mid_hi, hi]``, masks, GQA by ``head // group_size``, ``out`` in the input dtype, ``lse`` float32
 natural log, ``out = 0`` / ``lse = -inf`` for a row that sees no key; rows in no sequence are not written).
 
-Work split: the work items are (query tile, query head) pairs in head sections (`_section_order`); a persistent
-grid of programs takes items ``pid, pid + nprog, ...``. Partitions (launched with ``num_warps = 4``):
+Work split: the work items are (query tile, query head) pairs in head sections (`common_sm90_ws._section_order`);
+a persistent grid of programs takes items ``pid, pid + nprog, ...``. Partitions (launched with ``num_warps = 4``):
 
 * consumer ``c`` (4 warps; ``BLOCK_M // 64`` of them, the default partition is ``c = 0``) owns query rows
   ``[64 c, 64 c + 64)`` of each tile. Step j: issue S[j+1] = Q K[j+1]^T, rescale O, issue O += P[j] V[j],
   wait until S[j+1] is done, softmax of S[j+1] under PV[j], wait for PV[j], arrive ``empty[j % STAGES]``.
   After the tile's last S it arrives ``q_empty``; the output is stored from the accumulator registers
-  (`_store_out_direct`), so the next tile's Q loads under this tile's last PV and epilogue.
+  (`common_sm90_ws._store_out`), so the next tile's Q loads under this tile's last PV and epilogue.
 * producer (1 warp): per tile the first K/V block, then Q (after ``q_empty``), then the other blocks, each into
   ring slot ``block % STAGES`` after ``empty`` of that slot.
 
@@ -34,63 +34,11 @@ producer.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.common_sm90 import (LN2, _aligned_shift, _issue_qk, _key_range, _load_kv_block,
-                                               _softmax_any, _tile_row, _to_operand, _zero_v_tail, mma_layout)
-
-
-@gluon.jit
-def _opaque_program_id(like):
-    """The program id, read through inline asm that LLVM may not merge with an earlier read (``like``:
-    any i32 scalar, the asm's dummy operand), so that a second decode (the consumers' epilogue)
-    recomputes everything instead of keeping the first decode's values in registers across the main
-    loop."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _opaque_num_programs(like):
-    """``gl.num_programs(0)`` read where it is used (inline asm LLVM may not hoist out of a loop)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _section_order(w, heads_per_section, section_items):
-    """``(tile, head)`` of work item ``w``: the heads are cut into sections of ``heads_per_section``
-    (``section_items = tiles x heads_per_section`` items each), taken one after the other; inside a
-    section the heads vary fastest, so its longest tiles come first and the programs running at the
-    same time share the K/V (or Q/dO) of few heads in L2. One section of all heads: tile
-    ``w // heads``, head ``w % heads``."""
-    section = w // section_items
-    r = w - section * section_items
-    tile = r // heads_per_section
-    return tile, section * heads_per_section + (r - tile * heads_per_section)
-
-
-@gluon.jit
-def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, w, num_heads_q, group_size,
-               heads_per_section, num_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Decode work item ``w`` of ``num_items = tiles x num_heads_q`` (`_section_order`); ``seq < 0``
-    marks an unused tile-table row."""
-    tile, head = _section_order(w, heads_per_section, num_items // num_heads_q * heads_per_section)
-    seq, q_start, n_lo, n_mid_lo, n_mid_hi, n_hi, len_q, len_kv, row0_q, row0_kv = _tile_row(
-        tiles, tile, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv)
-    col_kv = (head // group_size) * HEAD_DIM
-    num_blocks = gl.where(seq >= 0, (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N, 0)
-    return seq, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, row0_q, row0_kv, col_kv
-
-
-@gluon.jit
-def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
-    """Producer: TMA the tile's Q (rows ``row ...``, column ``col``) onto ``q_bar`` once the consumers
-    released the previous tile's Q on ``q_empty`` (``loads_q``: Q loads issued before this one)."""
-    mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+from packattn.ops.varlen.common_sm90 import (_aligned_shift, _issue_qk, _key_range, _load_kv_block, _softmax_any,
+                                               _to_operand, _zero_v_tail, mma_layout)
+from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 
 
 @gluon.jit
@@ -217,46 +165,6 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
 
 
 @gluon.jit
-def _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_row, stride_o_head,
-                      stride_lse_head, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """`_store_out` without shared memory: ``out`` straight from the accumulator layout (each
-    thread writes pairs of adjacent columns), so Q's buffer is not needed for the epilogue."""
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    empty = l_o == 0.0
-    l_safe = gl.where(empty, 1.0, l_o)
-    out = acc * (1.0 / l_safe)[:, None]
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    gl.store(Lse + head.to(gl.int64) * stride_lse_head + row0_q + rows, lse, mask=rows < len_q)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    base = Out + row0_q * stride_o_row + head.to(gl.int64) * stride_o_head
-    ptrs = base + rows[:, None] * stride_o_row + cols[None, :]
-    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < len_q)[:, None])
-
-
-@gluon.jit
-def _ws_tile_start(q_wg_start, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr):
-    """Fresh state of one consumer's 64 query rows ``q_wg_start ...``: ``(offs_m, offs_n, m_i, l_i, acc)``
-    (row positions, key offsets within a block, running max / sum, output accumulator)."""
-    offs_m = q_wg_start + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    return offs_m, offs_n, m_i, l_i, acc
-
-
-@gluon.jit
-def _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-                 stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Store one consumer's 64 rows (those before ``len_q``) from registers (Q was released already)."""
-    _store_out_direct(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-                      stride_lse_head, o_layout, 64, HEAD_DIM)
-
-
-@gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
@@ -320,36 +228,6 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
                  1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)
-
-
-@gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The ring's mbarriers of a warp-specialised kernel, initialised: ``ready[slot]`` (count 1: the
-    producer's expect + TMA) and ``empty[slot]`` (count ``CONSUMERS``: each consumer warp group
-    releases the slot)."""
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    return ready, empty
-
-
-@gluon.jit
-def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
-    """Shared memory of the warp-specialised forward, barriers initialised: ``(q_smem, k_bufs, v_bufs,
-    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group."""
-    NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
-    return q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty
 
 
 @gluon.jit
