@@ -186,7 +186,8 @@ def select(params: Params, requested: str = "auto") -> Backend:
 def _select(params: Params, requested: str) -> Backend:
     """`select` on the eager path (also what `_select_outside_trace` runs, eagerly, for a trace)."""
     forced, disabled = _env()
-    key = (params, requested, forced, disabled)
+    # PACKATTN_PORTABLE changes what the triton backends run, so whether FA4 defers to them (`Fa4Backend.defers_to`)
+    key = (params, requested, forced, disabled, env.get("PACKATTN_PORTABLE"))
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)

@@ -276,9 +276,13 @@ def test_fa4_defers_only_where_the_sm90_kernels_run(hopper_with_fa4, monkeypatch
     w8 = params(device_type="cuda", dtype=torch.bfloat16, heads_q=16, heads_kv=16, head_dim=128, head_dim_v=128,
                 max_seqlen_q=dispatch.Params.bucket(512), max_seqlen_kv=dispatch.Params.bucket(512),
                 requires_grad=True)
-    assert get("fa4").defers_to(w8)[0] == "triton"
+    from packattn.backends import triton_varlen
+
+    monkeypatch.setattr(triton_varlen, "device_unsupported", lambda device_type: None)
+    assert get("fa4").defers_to(w8)[0] == "triton" and dispatch.select(w8).name == "triton"
     monkeypatch.setenv("PACKATTN_PORTABLE", "1")
     assert "PACKATTN_PORTABLE" in support.sm90_kernels_off() and get("fa4").defers_to(w8) is None
+    assert dispatch.select(w8).name == "fa4"  # set after a call with the same params: not a stale cached pick
     monkeypatch.delenv("PACKATTN_PORTABLE")
     monkeypatch.setattr(support, "installed_gluon_unsupported", lambda: "Gluon kernels off: test reason")
     assert get("fa4").defers_to(w8) is None
