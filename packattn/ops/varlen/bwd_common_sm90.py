@@ -10,14 +10,15 @@ delta)``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 Helpers: `_aligned_range_of_keys` (the per-key dual of `common_sm90._key_range`), `_row_vector` / `_lse_log2` (lse /
 delta of a row block from one 64-bit scalar base plus 32-bit offsets: a vector of 64-bit pointers would double
 their registers at the register peak), `_store_tile` (store through a free operand buffer, 16 B per thread),
-`_probs` (``P = exp2(S c - lse log2e)`` of a key block under the varlen masks).
+`_probs` (``P = exp2(S c - lse log2e)`` of a key block under the varlen masks), `_query_bounds` (per key, the
+queries that see it: the varlen masks or the tree's ``key_end``, for the dK/dV kernel).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from packattn.ops.runtime import launch
-from packattn.ops.varlen.common_sm90 import _visible, row_store_layout
+from packattn.ops.varlen.common_sm90 import _aligned_shift, _visible, row_store_layout
 
 LOG2E = gl.constexpr(launch.LOG2E)
 
@@ -93,3 +94,40 @@ def _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_s
                       HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
         p = gl.where(ok, p, 0.0)
     return p
+
+
+@gluon.jit
+def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: the visibility of `_aligned_range_of_keys` solved for
+    ``q`` once per consumer (``aligned = q + shift`` with ``shift = 0`` top-left, ``len_kv - len_q``
+    bottom-right; ``q < len_q``), so that a masked block compares its query positions with two
+    per-key bounds: no per-block key arithmetic, no loop-invariant per-query vectors for LLVM to
+    hoist (each costs 16 registers across the loop)."""
+    a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
+                                        HAS_CHUNK)
+    shift = _aligned_shift(len_q, len_kv, TOP_LEFT)
+    return a_lo - shift, gl.minimum(a_hi - shift, len_q)
+
+
+@gluon.jit
+def _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv):
+    """The tree mask's `_query_range_of_keys` (`packattn.ops.tree.kernels_triton`): key ``k`` is visible to the
+    queries ``[k, key_end[k])`` (``KeyEnd``: int32 `Tree.row_subtree_end`, indexed by position in the
+    tree, which is one sequence), clipped to ``len_q``; a key at or past ``len_kv`` gets ``q_hi = 0
+    <= q_lo`` (no query). One load per key, once per consumer: the loop compares with the two bounds
+    as for the other masks."""
+    ends = gl.load(KeyEnd + offs_k, mask=offs_k < len_kv, other=0)
+    return offs_k, gl.minimum(ends, len_q)
+
+
+@gluon.jit
+def _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
+    """``(q_lo, q_hi)`` per key: `_query_range_of_tree_keys` with ``TREE``, else `_query_range_of_keys`."""
+    if TREE:
+        q_lo, q_hi = _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv)
+    else:
+        q_lo, q_hi = _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    return q_lo, q_hi

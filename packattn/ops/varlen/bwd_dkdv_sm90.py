@@ -44,7 +44,7 @@ with one consumer at two CTAs per SM): dK + dV 128, S^T and dP^T 32 each, the P^
 It fits only because nothing else per query lives across the loop: lse / delta come from shared memory; the
 mask compares the block's query positions, read from a small shared table (``cols``: a ``gl.arange`` would be
 hoisted by LLVM and hold 16 registers through the loop), with two per-key bounds computed once
-(`_query_range_of_keys`); the epilogue decodes the tile row again (through `_opaque_program_id`, and with one
+(`bwd_common_sm90._query_range_of_keys`); the epilogue decodes the tile row again (through `_opaque_program_id`, and with one
 consumer `_opaque_num_programs`) instead of keeping its scalars.
 
 Tail step (``m_start + BLOCK_M > len_q``, at most one per query head, the same steps in every consumer): with
@@ -56,7 +56,7 @@ finite P^T and zero Q / dO rows, so they add nothing.
 
 ``TREE``: the sequence is a packed trie (one sequence of ``total`` rows), key ``s`` visible to the queries
 ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only the per-key bounds change
-(`_query_range_of_tree_keys`); tables (`packattn.ops.tree.tables.build_key_tiles`), band, tails and schedule
+(`bwd_common_sm90._query_range_of_tree_keys`); tables (`packattn.ops.tree.tables.build_key_tiles`), band, tails and schedule
 are the varlen ones.
 
 Shared memory (contract with `packattn.ops.varlen.launch_sm90.dkdv_shared_bytes`): K and V of the tile, the
@@ -68,54 +68,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _aligned_range_of_keys, _store_tile
+from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
-from packattn.ops.varlen.common_sm90 import _aligned_shift, _to_operand, _zero_v_tail, mma_layout
+from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
 from packattn.ops.varlen.common_sm90_ws import _opaque_num_programs, _opaque_program_id, _ring_barriers
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # ---------------------------------------------------------------- consumers
 @gluon.jit
-def _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
-    """Queries ``q`` in ``[q_lo(k), q_hi(k))`` see key ``k``: the visibility of `bwd_common_sm90._aligned_range_of_keys` solved for
-    ``q`` once per consumer (``aligned = q + shift`` with ``shift = 0`` top-left, ``len_kv - len_q``
-    bottom-right; ``q < len_q``), so that a masked block compares its query positions with two
-    per-key bounds: no per-block key arithmetic, no loop-invariant per-query vectors for LLVM to
-    hoist (each costs 16 registers across the loop)."""
-    a_lo, a_hi = _aligned_range_of_keys(offs_k, len_kv, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
-                                        HAS_CHUNK)
-    shift = _aligned_shift(len_q, len_kv, TOP_LEFT)
-    return a_lo - shift, gl.minimum(a_hi - shift, len_q)
-
-
-@gluon.jit
-def _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv):
-    """The tree mask's `_query_range_of_keys` (`packattn.ops.tree.kernels_triton`): key ``k`` is visible to the
-    queries ``[k, key_end[k])`` (``KeyEnd``: int32 `Tree.row_subtree_end`, indexed by position in the
-    tree, which is one sequence), clipped to ``len_q``; a key at or past ``len_kv`` gets ``q_hi = 0
-    <= q_lo`` (no query). One load per key, once per consumer: the loop compares with the two bounds
-    as for the other masks."""
-    ends = gl.load(KeyEnd + offs_k, mask=offs_k < len_kv, other=0)
-    return offs_k, gl.minimum(ends, len_q)
-
-
-@gluon.jit
-def _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
-    """``(q_lo, q_hi)`` per key: `_query_range_of_tree_keys` with ``TREE``, else `_query_range_of_keys`."""
-    if TREE:
-        q_lo, q_hi = _query_range_of_tree_keys(offs_k, KeyEnd, len_q, len_kv)
-    else:
-        q_lo, q_hi = _query_range_of_keys(offs_k, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
-                                          HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-    return q_lo, q_hi
-
-
-@gluon.jit
 def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M: gl.constexpr,
                 s_layout: gl.constexpr):
-    """``P^T = exp2(S^T c - lse log2e)`` with the per-key bounds of `_query_range_of_keys`. ``cols``: shared
+    """``P^T = exp2(S^T c - lse log2e)`` with the per-key bounds of `bwd_common_sm90._query_bounds`. ``cols``: shared
     memory holding ``0 .. BLOCK_M-1``; the column positions are loaded from it in masked blocks, because
     LLVM hoists a ``gl.arange`` out of the loop and keeps its 16 values per thread live throughout."""
     p_t = gl.exp2(s_t * qk_scale_log2 - lse_log2[None, :])
