@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="let the GPU idle this long before each row (rows start from a similar temperature)")
     bench.add_argument("--rounds", type=int, default=1, metavar="N",
                        help="measure every row N times (N passes over all rows) and show the median of each time")
+    bench.add_argument("--sweep", choices=("head-dims",),
+                       help="head-dims: every head dim, MLA and short documents at 64 / 128 / 256 "
+                            "(packattn.bench.workloads.head_dim_workloads), with --workloads added")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
     return parser
@@ -116,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from packattn.bench.runner import run_bench
 
-        return run_bench(args.workloads, args.impls, args.json, args.plot, args.autograd_threads == "on",
+        workloads = args.workloads
+        if args.sweep == "head-dims":
+            from packattn.bench.workloads import head_dim_workloads
+
+            workloads = [*(workloads or []), *head_dim_workloads()]
+        return run_bench(workloads, args.impls, args.json, args.plot, args.autograd_threads == "on",
                          args.heat_up, args.pause, args.rounds)
     if args.command == "info":
         return info()

@@ -195,6 +195,39 @@ def test_bench_passes_heat_up_and_pause(monkeypatch):
     assert seen["args"] == (["W3"], None, None, None, False, 5.0, 2.5, 3)
 
 
+def test_bench_sweep_head_dims_names_every_head_dim_and_mla(monkeypatch):
+    """`--sweep head-dims` runs the sweep's workloads after any named ones; each one resolves in the runner's
+    table (an unknown name would make it return 2 before timing anything)."""
+    from packattn.bench import runner
+    from packattn.bench.workloads import head_dim_workloads
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_bench", lambda *args: seen.setdefault("args", args) and 0)
+    assert cli.main(["bench", "--sweep", "head-dims", "--workloads", "W1"]) == 0
+    names = seen["args"][0]
+    sweep = head_dim_workloads()
+    assert names == ["W1", *sweep]
+    assert {sweep[n].head_dim for n in ("D64", "D96", "D128", "D192", "D256")} == {64, 96, 128, 192, 256}
+    assert (sweep["MLA"].head_dim, sweep["MLA"].value_dim) == (192, 128)
+    assert {(w.heads_q, w.heads_kv) for n, w in sweep.items() if n.startswith("S128")} == {(32, 8)}
+    assert sum(sweep["D192"].lengths_q) == 16384 and sum(sweep["D64"].lengths_q) == 32768
+
+
+def test_mla_workload_inputs_and_flops():
+    """A workload with a value head dim of its own makes v of that dim and counts 2 * (d + d_v) FLOPs per
+    visible pair and query head; with d_v = d that is the usual 4 * d."""
+    import dataclasses
+
+    from packattn.bench.workloads import Workload
+
+    w = Workload("mla", [5, 3], heads_q=4, heads_kv=2, head_dim=24, head_dim_v=8, options={"causal": True})
+    seqs, q, k, v = w.make_inputs("cpu", torch.float32)
+    assert q.shape == (8, 4, 24) and k.shape == (8, 2, 24) and v.shape == (8, 2, 8)
+    pairs = 5 * 6 // 2 + 3 * 4 // 2
+    assert w.visible_pairs() == pairs and w.fwd_flops() == 2.0 * (24 + 8) * 4 * pairs
+    assert dataclasses.replace(w, head_dim_v=None).fwd_flops() == 4.0 * 24 * 4 * pairs
+
+
 def test_bench_rounds_merge_to_the_median_of_each_time(capsys):
     """`--rounds N`: each time is the median over the rounds (the lower one for an even count, so a measured
     value), with the rate measured with it; failed rounds are kept apart, a row failing every round stays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -13,7 +14,7 @@ import packattn
 from packattn.bench import small_seq
 from packattn.bench.anchors import ANCHORS, EXPANDED_ANCHORS, IMPLS, Unavailable
 from packattn.bench.plotting import pyplot
-from packattn.bench.workloads import TreeWorkload, Workload, all_workloads
+from packattn.bench.workloads import TreeWorkload, Workload, all_workloads, head_dim_workloads
 
 
 def _do_bench(fn) -> float:
@@ -74,7 +75,7 @@ def _inputs_for(w: Workload, impl: str, device):
     if isinstance(w, TreeWorkload) and impl in EXPANDED_ANCHORS:
         w = w.expanded()
     if w.pad_to_multiple and not impl.startswith("packattn:"):
-        w = Workload(w.name, w.lengths_q, w.lengths_kv, w.heads_q, w.heads_kv, w.head_dim, w.options)
+        w = dataclasses.replace(w, pad_to_multiple=None)
     seqs, q, k, v = w.make_inputs(device, torch.bfloat16, seed=0)
     return w, seqs, q, k, v
 
@@ -88,7 +89,7 @@ def run_one(w: Workload, impl: str, device) -> dict:
         if group > 1:
             k = k.detach().repeat_interleave(group, dim=1).requires_grad_()
             v = v.detach().repeat_interleave(group, dim=1).requires_grad_()
-        dout = torch.randn_like(q)
+        dout = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output has the value head dim
         fwd_ms = _do_bench(lambda: fn(q, k, v))
 
         def fwdbwd():
@@ -153,8 +154,8 @@ def run_bench(workloads: list[str] | None = None, impls: list[str] | None = None
 
 def _run_jobs(workloads, impls, json_path, plot_path, device, env, pause_seconds: float = 0.0,
               rounds: int = 1) -> int:
-    table = all_workloads()
-    names = workloads or [*table, *small_seq.small_seq_workloads()]
+    table = {**all_workloads(), **head_dim_workloads()}
+    names = workloads or [*all_workloads(), *small_seq.small_seq_workloads()]
     impls = impls or list(IMPLS)
     try:
         from tqdm import tqdm

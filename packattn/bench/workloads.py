@@ -39,6 +39,11 @@ class Workload:
     head_dim: int = 128
     options: dict = field(default_factory=dict)  # attention() mask options
     pad_to_multiple: int | None = None
+    head_dim_v: int | None = None  # value head dim when it differs from q/k's (MLA), else None
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def varlen(self, device=None) -> Varlen:
         return Varlen.from_lengths(self.lengths_q, self.lengths_kv, pad_to_multiple=self.pad_to_multiple, device=device)
@@ -57,7 +62,8 @@ class Workload:
         return total
 
     def fwd_flops(self) -> float:
-        return 4.0 * self.head_dim * self.heads_q * self.visible_pairs()
+        """Useful forward FLOPs: per visible pair and query head, 2 * d for Q K^T and 2 * d_v for P V."""
+        return 2.0 * (self.head_dim + self.value_dim) * self.heads_q * self.visible_pairs()
 
     def fwdbwd_flops(self) -> float:
         return 3.5 * self.fwd_flops()
@@ -66,11 +72,12 @@ class Workload:
         seqs = self.varlen(device)
         gen = torch.Generator(device=device).manual_seed(seed)
 
-        def rand(rows, heads):
-            t = torch.randn(rows, heads, self.head_dim, device=device, dtype=dtype, generator=gen)
+        def rand(rows, heads, dim=self.head_dim):
+            t = torch.randn(rows, heads, dim, device=device, dtype=dtype, generator=gen)
             return t.requires_grad_(requires_grad)
 
-        return seqs, rand(seqs.total_q, self.heads_q), rand(seqs.total_kv, self.heads_kv), rand(seqs.total_kv, self.heads_kv)
+        return (seqs, rand(seqs.total_q, self.heads_q), rand(seqs.total_kv, self.heads_kv),
+                rand(seqs.total_kv, self.heads_kv, self.value_dim))
 
 
 def varlen_workloads() -> dict[str, Workload]:
@@ -99,7 +106,8 @@ class TreeWorkload(Workload):
         return Tree.from_sequences(self.sequences, device=device)
 
     def expanded(self) -> Workload:
-        return Workload(self.name, self.lengths_q, None, self.heads_q, self.heads_kv, self.head_dim, self.options)
+        return Workload(self.name, self.lengths_q, None, self.heads_q, self.heads_kv, self.head_dim, self.options,
+                        head_dim_v=self.head_dim_v)
 
     def visible_pairs(self) -> int:
         """Pairs of the tree: a token at depth d sees d + 1 keys (its path)."""
@@ -110,11 +118,11 @@ class TreeWorkload(Workload):
         tree = self.tree(device)
         gen = torch.Generator(device=device).manual_seed(seed)
 
-        def rand(heads):
-            t = torch.randn(tree.total, heads, self.head_dim, device=device, dtype=dtype, generator=gen)
+        def rand(heads, dim=self.head_dim):
+            t = torch.randn(tree.total, heads, dim, device=device, dtype=dtype, generator=gen)
             return t.requires_grad_(requires_grad)
 
-        return tree, rand(self.heads_q), rand(self.heads_kv), rand(self.heads_kv)
+        return tree, rand(self.heads_q), rand(self.heads_kv), rand(self.heads_kv, self.value_dim)
 
 
 def _tree_workload(name: str, sequences: list[list[int]]) -> TreeWorkload:
@@ -160,3 +168,31 @@ def tree_workloads() -> dict[str, TreeWorkload]:
 
 def all_workloads() -> dict[str, Workload]:
     return {**varlen_workloads(), **tree_workloads()}
+
+
+def head_dim_workloads() -> dict[str, Workload]:
+    """The head-dim sweep (`packattn bench --sweep head-dims`): W1's document lengths (causal) at every head dim a
+    model uses, with the heads of the models that use it, 16384 tokens from d = 192 up (their tiles hold half as
+    many rows); MLA (q/k 192, v 128) and q/k 128 with v 64; short documents (W8's 64 x 512, and 256 x 128) at
+    64 / 128 / 256 with GQA 32/8, and W8 with 32/32."""
+    docs, half = doc_lengths(32768, seed=0), doc_lengths(16384, seed=0)
+    causal = {"causal": True}
+    out = {
+        "D64": Workload("D64 varlen d64", docs, heads_q=32, heads_kv=8, head_dim=64, options=causal),
+        "D96": Workload("D96 varlen d96", docs, heads_q=16, heads_kv=4, head_dim=96, options=causal),
+        "D128": Workload("D128 varlen d128", docs, heads_q=16, heads_kv=4, head_dim=128, options=causal),
+        "D192": Workload("D192 varlen d192", half, heads_q=16, heads_kv=4, head_dim=192, options=causal),
+        "D256": Workload("D256 varlen d256", half, heads_q=16, heads_kv=4, head_dim=256, options=causal),
+        "MLA": Workload("MLA varlen d192/128", half, heads_q=16, heads_kv=4, head_dim=192, head_dim_v=128,
+                        options=causal),
+        "D128v64": Workload("D128v64 varlen d128/64", docs, heads_q=16, heads_kv=4, head_dim=128, head_dim_v=64,
+                            options=causal),
+    }
+    for d in (64, 128, 256):
+        out[f"S512d{d}"] = Workload(f"S512d{d} short_docs", [512] * 64, heads_q=32, heads_kv=8, head_dim=d,
+                                    options=causal)
+        out[f"S512d{d}mha"] = Workload(f"S512d{d}mha short_docs", [512] * 64, heads_q=32, heads_kv=32, head_dim=d,
+                                       options=causal)
+        out[f"S128d{d}"] = Workload(f"S128d{d} short_docs", [128] * 256, heads_q=32, heads_kv=8, head_dim=d,
+                                    options=causal)
+    return out
