@@ -96,6 +96,7 @@ def test_sm90_runs_takes_dtypes_and_head_dims_from_the_caller(hopper):
     assert not sm90.sm90_runs(*_qkv(128), False, configs.GLUON_HEAD_DIMS, (torch.float16,))
     q64 = _qkv(64)[0]
     assert not sm90.sm90_runs(q64, k, v, False, *VARLEN)  # q and k / v head dims differ
+    assert not sm90.sm90_runs(q, k, _qkv(64, dtype=torch.bfloat16)[2], False, *VARLEN)  # MLA: Triton kernels
 
 
 @pytest.mark.parametrize("heads,runs", [((4, 2), True), ((8, 1), True), ((4, 4), True), ((6, 4), False),

@@ -7,7 +7,7 @@ import torch
 
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend
-from packattn.backends.triton_varlen import kernel_limits
+from packattn.backends.triton_varlen import tree_limits
 from packattn.mask import Mask
 from packattn.ops.runtime.launch import nonnegative_scale
 from packattn.ops.runtime.support import device_unsupported
@@ -28,7 +28,7 @@ class TritonTreeBackend(TritonBackend):
             return "handles tree descriptors only"
         if (why := device_unsupported(params.device_type)) is not None:
             return why
-        return kernel_limits(params)
+        return tree_limits(params)
 
     def run(self, problem: Problem):
         q, scale, _ = nonnegative_scale(problem.q, problem.scale)

@@ -16,14 +16,24 @@ from packattn.ops.varlen.traced import traced_varlen_attention
 
 
 def kernel_limits(params) -> str | None:
-    """Dtype and head-dim limits of the varlen-family kernels (varlen and tree)."""
+    """Dtype and head-dim limits of the varlen-family kernels: q/k and v head dims each in `HEAD_DIMS`, equal or
+    not (MLA, e.g. 192/128: the portable Triton kernels; the sm_90 Gluon kernels take equal dims only,
+    `packattn.ops.runtime.sm90.sm90_runs`). The tree backend adds `tree_limits`."""
     if params.dtype not in DTYPES:
         return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
-    if params.head_dim != params.head_dim_v:
-        return f"head dims {params.head_dim}/{params.head_dim_v}: q and v head dims must be equal"
     if params.head_dim not in HEAD_DIMS:
         return f"head_dim {params.head_dim} not in {HEAD_DIMS}"
+    if params.head_dim_v not in HEAD_DIMS:
+        return f"value head_dim {params.head_dim_v} not in {HEAD_DIMS}"
     return None
+
+
+def tree_limits(params) -> str | None:
+    """`kernel_limits` of the tree kernels (`packattn.ops.tree`), which take equal q/k and v head dims only."""
+    if params.head_dim != params.head_dim_v:
+        return (f"head dims {params.head_dim}/{params.head_dim_v}: the tree kernels need equal q and v head dims "
+                "(MLA runs on varlen descriptors)")
+    return kernel_limits(params)
 
 
 class TritonVarlenBackend(TritonBackend):

@@ -11,7 +11,7 @@ Tables from `packattn.backends.triton_tree`:
   key visible (skipped), 1 = some pairs visible (element mask), 2 = every pair visible (no mask).
 
 The inner loops are the varlen ones (`varlen_fwd._attend_key_blocks`,
-`varlen_bwd._dq_from_key_blocks`) with the tree mask; dK/dV uses `varlen_bwd.bwd_dkdv_kernel`
+`varlen_bwd._dq_from_key_blocks`, value head dim = ``HEAD_DIM``: trees take no MLA) with the tree mask; dK/dV uses `varlen_bwd.bwd_dkdv_kernel`
 with ``TREE=True`` (the queries that see a key block form one contiguous range: its subtree).
 """
 
@@ -65,12 +65,12 @@ def tree_fwd_kernel(
         if kind == 1:
             acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                                lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
-                                               HEAD_DIM, BLOCK_D, BLOCK_N, True, False, False, False, False,
+                                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_N, True, False, False, False, False,
                                                True, INPUT_PRECISION)
         elif kind == 2:
             acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                                lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
-                                               HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False, False, False,
+                                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False, False, False,
                                                True, INPUT_PRECISION)
     out, lse = finish_softmax(acc, m_i, l_i)
     store_rows(Out + head * stride_o_head, q_start, stride_o_row, row_ok, out, HEAD_DIM, BLOCK_D, BLOCK_M)
@@ -103,11 +103,11 @@ def tree_dq_kernel(
         if kind == 1:
             dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                                      lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, True, False, False, False, False, True,
+                                     HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_N, True, False, False, False, False, True,
                                      INPUT_PRECISION)
         elif kind == 2:
             dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                                      lo, hi, offs_m, total, total, qk_scale_log2, 0, 0, 0, key_end,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False, False, False, True,
+                                     HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False, False, False, True,
                                      INPUT_PRECISION)
     store_rows(dQ + head * stride_dq_head, q_start, stride_dq_row, row_ok, dq * scale, HEAD_DIM, BLOCK_D, BLOCK_M)

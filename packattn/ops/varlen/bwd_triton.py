@@ -15,6 +15,8 @@ Tile tables are the launcher's ``int32 (num_tiles, 6)`` rows ``[seq, start, lo, 
 positions; blocks in ``[mid_lo, mid_hi)`` skip the element mask. With ``P = exp2(S * scale * log2e
 - lse * log2e)`` recomputed from the saved ``lse``: ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
 ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. Rows with ``lse = -inf`` (no visible key) get P = 0.
+Q, K, dQ, dK have head dim ``HEAD_DIM`` (tiles ``BLOCK_D`` wide); V, dO, dV ``HEAD_DIM_V`` (``BLOCK_DV``), MLA
+when they differ; the preprocess runs over the value head dim (its ``HEAD_DIM`` is O's).
 """
 
 import triton
@@ -53,8 +55,8 @@ def bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, total_rows,
 def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_q_row, stride_do_row,
                             m_from, m_to, offs_n, len_q, len_kv, qk_scale_log2,
                             window_left, window_right, chunk_size, key_end,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                            MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                             HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
                             INPUT_PRECISION: tl.constexpr):
     """Add the contributions of query blocks ``m_from, m_from + BLOCK_M, ... < m_to`` of one head."""
@@ -62,7 +64,7 @@ def _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < len_q  # unmasked blocks lie inside [0, len_q): no row check there
         q = load_rows(q_base, m_start, stride_q_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED)
-        do = load_rows(do_base, m_start, stride_do_row, row_ok, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED)
+        do = load_rows(do_base, m_start, stride_do_row, row_ok, HEAD_DIM_V, BLOCK_DV, BLOCK_M, MASKED)
         if MASKED:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
@@ -91,8 +93,8 @@ def bwd_dkdv_kernel(
     stride_do_row, stride_do_head, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
     stride_lse_head,
     num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TREE: tl.constexpr = False,
 ):
     """``TREE``: one sequence that is a packed trie, ``key_end`` its `Tree.row_subtree_end`; the
@@ -109,9 +111,9 @@ def bwd_dkdv_kernel(
     k = load_rows(K + row0_kv * stride_k_row + kv_head * stride_k_head, k_start, stride_k_row, key_ok,
                   HEAD_DIM, BLOCK_D, BLOCK_N, True)
     v = load_rows(V + row0_kv * stride_v_row + kv_head * stride_v_head, k_start, stride_v_row, key_ok,
-                  HEAD_DIM, BLOCK_D, BLOCK_N, True)
+                  HEAD_DIM_V, BLOCK_DV, BLOCK_N, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(group_size):  # fixed order over the query heads sharing this kv head
         head = kv_head * group_size + g
         q_base = Q + row0_q * stride_q_row + head * stride_q_head
@@ -121,30 +123,30 @@ def bwd_dkdv_kernel(
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_lo, m_mid_lo, offs_n, len_q, len_kv,
                                          qk_scale_log2, window_left, window_right, chunk_size, key_end,
-                                         HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                                          TOP_LEFT, TREE, INPUT_PRECISION)
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_mid_lo, m_mid_hi, offs_n, len_q, len_kv,
                                          qk_scale_log2, window_left, window_right, chunk_size, key_end,
-                                         HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                                          TOP_LEFT, TREE, INPUT_PRECISION)
         dk, dv = _dkdv_from_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                          stride_q_row, stride_do_row, m_mid_hi, m_hi, offs_n, len_q, len_kv,
                                          qk_scale_log2, window_left, window_right, chunk_size, key_end,
-                                         HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
                                          TOP_LEFT, TREE, INPUT_PRECISION)
     store_rows(dK + row0_kv * stride_dk_row + kv_head * stride_dk_head, k_start, stride_dk_row, key_ok, dk * scale,
                HEAD_DIM, BLOCK_D, BLOCK_N)
     store_rows(dV + row0_kv * stride_dv_row + kv_head * stride_dv_head, k_start, stride_dv_row, key_ok, dv,
-               HEAD_DIM, BLOCK_D, BLOCK_N)
+               HEAD_DIM_V, BLOCK_DV, BLOCK_N)
 
 
 @triton.jit
 def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                         n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
                         window_left, window_right, chunk_size, key_end,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr):
     """Add the contributions of key blocks ``n_from, n_from + BLOCK_N, ... < n_to`` to dQ."""
@@ -153,7 +155,7 @@ def _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row
         keys = n_start + offs_n
         key_ok = keys < len_kv  # unmasked blocks lie inside [0, len_kv): no row check there
         k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
-        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
+        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM_V, BLOCK_DV, BLOCK_N, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale_log2
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
@@ -173,8 +175,8 @@ def bwd_dq_kernel(
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_do_row, stride_do_head, stride_dq_row, stride_dq_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -190,7 +192,7 @@ def bwd_dq_kernel(
     q = load_rows(Q + row0_q * stride_q_row + head * stride_q_head, q_start, stride_q_row, row_ok,
                   HEAD_DIM, BLOCK_D, BLOCK_M, True)
     do = load_rows(dOut + row0_q * stride_do_row + head * stride_do_head, q_start, stride_do_row, row_ok,
-                   HEAD_DIM, BLOCK_D, BLOCK_M, True)
+                   HEAD_DIM_V, BLOCK_DV, BLOCK_M, True)
     at = head.to(tl.int64) * stride_lse_head + row0_q + offs_m
     lse = tl.load(Lse + at, mask=row_ok, other=float("inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no visible key: P = 0
@@ -201,15 +203,15 @@ def bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                              HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
                              HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     dq = _dq_from_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_k_row, stride_v_row,
                              n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2, window_left, window_right,
-                             chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                             chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                              HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     store_rows(dQ + row0_q * stride_dq_row + head * stride_dq_head, q_start, stride_dq_row, row_ok, dq * scale,
                HEAD_DIM, BLOCK_D, BLOCK_M)

@@ -96,7 +96,9 @@ def _is_hopper(device_index: int) -> bool:
 def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
                   long_seqs: bool = False) -> LaunchConfig:
     """Block sizes and launch options of the Triton ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
-    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least `LONG_SEQLEN` queries."""
+    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least `LONG_SEQLEN` queries.
+    ``head_dim``: with a value head dim of its own (MLA) every caller passes ``max(q/k head dim, v head dim)``,
+    the wider tile bounding shared memory and registers."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_CONFIGS[kernel]
     bd = block_d(head_dim)

@@ -16,7 +16,8 @@ real length is ``cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]``.
 Online softmax in base 2: scores are multiplied once by ``scale * log2(e)`` and ``exp2`` is used;
 accumulation in float32. Writes ``out`` (input dtype) and ``lse`` (float32, natural log,
 ``(heads_q, rows)``). A row that sees no key writes ``out = 0`` and ``lse = -inf``.
-GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repeated.
+GQA/MQA: query head ``h`` reads kv head ``h // group_size``; K/V are never repeated. Q and K have head dim
+``HEAD_DIM`` (tiles ``BLOCK_D`` wide), V and ``out`` ``HEAD_DIM_V`` (``BLOCK_DV``): MLA when they differ.
 """
 
 import triton
@@ -28,8 +29,8 @@ from packattn.ops.varlen.common_triton import finish_softmax, load_rows, online_
 def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                        n_from, n_to, offs_m, len_q, len_kv, qk_scale_log2,
                        window_left, window_right, chunk_size, key_end,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr, TREE: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr):
     """Fold key blocks starting at ``n_from, n_from + BLOCK_N, ... < n_to`` into the running softmax."""
@@ -38,7 +39,7 @@ def _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_
         keys = n_start + offs_n
         key_ok = keys < len_kv  # unmasked blocks lie inside [0, len_kv): no row check there
         k = load_rows(k_base, n_start, stride_k_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
-        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
+        v = load_rows(v_base, n_start, stride_v_row, key_ok, HEAD_DIM_V, BLOCK_DV, BLOCK_N, MASKED)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, keys, len_q, len_kv, qk_scale_log2,
                                             window_left, window_right, chunk_size, key_end, MASKED, HAS_LEFT,
                                             HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, INPUT_PRECISION)
@@ -52,8 +53,8 @@ def varlen_fwd_kernel(
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_o_row, stride_o_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, TOP_LEFT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -74,22 +75,22 @@ def varlen_fwd_kernel(
     v_base = V + row0_kv * stride_v_row + kv_head * stride_v_head
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # boundary blocks before the fully visible band, the band itself, boundary blocks after it
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_lo, n_mid_lo, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
                                        True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_mid_lo, n_mid_hi, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
                                        False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_k_row, stride_v_row,
                                        n_mid_hi, n_hi, offs_m, len_q, len_kv, qk_scale_log2,
-                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       window_left, window_right, chunk_size, tiles, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
                                        True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, False, INPUT_PRECISION)
 
     out, lse = finish_softmax(acc, m_i, l_i)  # a row that saw no key: out = 0, lse = -inf
     store_rows(Out + row0_q * stride_o_row + head * stride_o_head, q_start, stride_o_row, row_ok, out,
-               HEAD_DIM, BLOCK_D, BLOCK_M)
+               HEAD_DIM_V, BLOCK_DV, BLOCK_M)
     tl.store(Lse + head.to(tl.int64) * stride_lse_head + row0_q + offs_m, lse, mask=row_ok)

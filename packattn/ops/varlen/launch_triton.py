@@ -2,7 +2,7 @@
 outputs they write. Float32 inputs use ``tl.dot(..., input_precision="ieee")``: exact float32 products (no
 TF32), slower than TF32 on tensor cores. ``seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
 row_offsets_kv)``; ``scale >= 0`` (`launch.nonnegative_scale`); the tile tables are built with
-`configs.launch_config`'s blocks.
+`configs.launch_config`'s blocks. MLA: V, out, dO, dV have v's head dim (may differ from q/k's).
 """
 
 from __future__ import annotations
@@ -48,19 +48,19 @@ def triton_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, l
     """The forward into ``out`` / ``lse``: one program per (query tile, query head)."""
     from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel
 
-    heads_q, head_dim = q.shape[1], q.shape[2]
-    config = launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
+    heads_q, head_dim, head_dim_v = q.shape[1], q.shape[2], v.shape[2]
+    config = launch_config("fwd", max(head_dim, head_dim_v), q.dtype, q.device, long_seqs)
     args = (q, k, v, out, lse, q_tiles, *seq_args,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
             heads_q, heads_q // k.shape[1], scale * LOG2E, *mask_scalars(mask))
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                      INPUT_PRECISION=_precision(q.dtype), **mask_constexprs(mask))
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v),
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_precision(q.dtype), **mask_constexprs(mask))
     _launch(varlen_fwd_kernel, (q_tiles.shape[0] * heads_q,), args, constexprs, config)
 
 
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
-    """``rowsum(dO * O) - dlse`` (float32, lse's shape): the backward preprocess."""
+    """``rowsum(dO * O) - dlse`` (float32, lse's shape): the backward preprocess, over O's (the value) head dim."""
     from packattn.ops.varlen.bwd_triton import bwd_preprocess_kernel
 
     total_q, heads_q, head_dim = out.shape
@@ -80,10 +80,10 @@ def _qkv_do_strides(q, k, v, dout) -> tuple:
     return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1))
 
 
-def _bwd_constexprs(head_dim: int, dtype: torch.dtype, mask: Mask) -> dict:
+def _bwd_constexprs(head_dim: int, head_dim_v: int, dtype: torch.dtype, mask: Mask) -> dict:
     """The constexprs both Triton backward passes take."""
-    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), INPUT_PRECISION=_precision(dtype),
-                **mask_constexprs(mask))
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v),
+                INPUT_PRECISION=_precision(dtype), **mask_constexprs(mask))
 
 
 # The mask scalars of a tree dK/dV launch (unused: the constexprs say no window / chunk). Zeros, not
@@ -102,12 +102,12 @@ def triton_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float
     tree = key_end is not None
     if tree:
         mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
-    config = launch_config("dkdv", q.shape[-1], q.dtype, q.device)
+    config = launch_config("dkdv", max(q.shape[-1], v.shape[-1]), q.dtype, q.device)
     args = (q, k, v, dout, lse, delta, dk, dv, tiles, *seq_args, key_end if tree else tiles,
             *_qkv_do_strides(q, k, v, dout), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
             heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *(TREE_SCALARS if tree else mask_scalars(mask)))
     _launch(bwd_dkdv_kernel, (tiles.shape[0] * heads_kv,), args,
-            dict(_bwd_constexprs(q.shape[-1], q.dtype, mask), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            dict(_bwd_constexprs(q.shape[-1], v.shape[-1], q.dtype, mask), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  TREE=tree), config)
 
 
@@ -115,10 +115,10 @@ def triton_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask
     """dQ pass over query tiles (`bwd_triton.bwd_dq_kernel`)."""
     from packattn.ops.varlen.bwd_triton import bwd_dq_kernel
 
-    heads_q, head_dim = q.shape[1], q.shape[2]
-    config = launch_config("dq", head_dim, q.dtype, q.device)
+    heads_q, head_dim, head_dim_v = q.shape[1], q.shape[2], v.shape[2]
+    config = launch_config("dq", max(head_dim, head_dim_v), q.dtype, q.device)
     args = (q, k, v, dout, lse, delta, dq, tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
             dq.stride(0), dq.stride(1), lse.stride(0), heads_q, heads_q // k.shape[1], scale * LOG2E, scale,
             *mask_scalars(mask))
     _launch(bwd_dq_kernel, (tiles.shape[0] * heads_q,), args,
-            dict(_bwd_constexprs(head_dim, q.dtype, mask), BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)
+            dict(_bwd_constexprs(head_dim, head_dim_v, q.dtype, mask), BLOCK_M=config.block_m, BLOCK_N=config.block_n), config)

@@ -79,8 +79,9 @@ def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool
     gluon = sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES)
     dkdv = configs.dkdv_config(q.shape[-1], q.shape[1] // k.shape[1]) if gluon else None
     dq = configs.dq_config(q.shape[-1], short_seqs) if gluon else None
-    triton_dkdv = dkdv or configs.launch_config("dkdv", q.shape[-1], q.dtype, q.device)
-    triton_dq = dq or configs.launch_config("dq", q.shape[-1], q.dtype, q.device)
+    tile_dim = max(q.shape[-1], v.shape[-1])  # the launchers' rule (`configs.launch_config`)
+    triton_dkdv = dkdv or configs.launch_config("dkdv", tile_dim, q.dtype, q.device)
+    triton_dq = dq or configs.launch_config("dq", tile_dim, q.dtype, q.device)
     return BwdPlan(dkdv, dq, (triton_dkdv.block_n, triton_dkdv.block_m, dkdv is not None),
                    (triton_dq.block_m, triton_dq.block_n, dq is not None), short_seqs)
 
@@ -117,7 +118,7 @@ def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[li
     if gluon:
         fwd = configs.config_for(head_dim, long_seqs, short_seqs, q.device)
     else:
-        fwd = configs.launch_config("fwd", head_dim, q.dtype, q.device, long_seqs)
+        fwd = configs.launch_config("fwd", max(head_dim, v.shape[-1]), q.dtype, q.device, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     if need_grad:
         dq_tiles, dkdv_tiles = bwd_tables(seqs, mask, bwd_plan(q, k, v, short_seqs))
@@ -140,7 +141,7 @@ def _varlen_fwd(
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     total_q, heads_q, head_dim = q.shape
     # rows in no sequence are never written by the kernels: they must start as zeros / -inf
-    out = new_output(q.shape, q.dtype, q.device, padded_q, pad_rows_q)  # contiguous, as the fake says
+    out = new_output((total_q, heads_q, v.shape[-1]), q.dtype, q.device, padded_q, pad_rows_q)  # as the fake says
     lse = new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     seq_args, q_tiles = tables[:4], tables[4]
     if gluon:
@@ -156,7 +157,7 @@ varlen_fwd = torch.library.custom_op("packattn::varlen_fwd", _varlen_fwd, mutate
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, *rest):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- backward

@@ -45,8 +45,8 @@ def traced_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: li
 
 
 @traced_varlen_fwd.register_fake
-def _(q, k, v, seq, scale, options):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _varlen_fwd_fake(q, k, v, seq, scale, options):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("packattn::traced_varlen_bwd", mutates_args=())
