@@ -44,7 +44,8 @@ def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask:
                    warp_specialize: bool = False):
     fn, io_names = KERNELS[kernel]
     config = config_for(kernel, head_dim, DTYPES[dtype_name], arch)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=tv.block_d(head_dim), BLOCK_M=config.block_m,
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=tv.block_d(head_dim), HEAD_DIM_V=head_dim,
+                      BLOCK_DV=tv.block_d(head_dim), BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask,
                       TOP_LEFT="T" in mask, INPUT_PRECISION="ieee" if dtype_name == "fp32" else "tf32")
     if "WARP_SPECIALIZE" in fn.arg_names:
