@@ -3,9 +3,9 @@
 * where the Gluon tree kernels may run: `GLUON_HEAD_DIMS`, `GLUON_DTYPES` (passed to `sm90.sm90_runs`;
   `TREE_FWD_CONFIGS` covers each head dim, `TREE_DQ_CONFIGS` a subset: `_check_tables`);
 * forward: the warp-specialised Gluon tree forward with `TREE_FWD_CONFIGS` where `sm90.sm90_runs` says so
-  (TMA-readable tensors), else the Triton tree forward with the varlen family's `launch_config("fwd", ...)`;
+  (TMA-readable tensors), else the Triton tree forward with the varlen family's `triton_config("fwd", ...)`;
 * dQ: the warp-specialised Gluon tree dQ with `TREE_DQ_CONFIGS` where the Gluon kernels may run and the table
-  has the head dim, else the Triton tree dQ with the varlen family's `launch_config("dq", ...)`; the dQ
+  has the head dim, else the Triton tree dQ with the varlen family's `triton_config("dq", ...)`; the dQ
   tables are built with the blocks of the kernel that runs (`dq_blocks`);
 * dK/dV: the varlen dK/dV kernels with the tree mask (``TREE``), chosen by the varlen rule
   (`packattn.ops.varlen.configs.dkdv_config`, the key tables built for that pass): there is one dK/dV
@@ -24,7 +24,7 @@ import torch
 
 from packattn.ops.runtime.launch import overriding
 from packattn.ops.runtime.sm90 import sm90_runs
-from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, launch_config
+from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, triton_config
 
 # The head dims and dtypes of the Gluon tree forward and dQ (the dK/dV follows the varlen family's).
 GLUON_HEAD_DIMS = (64, 128)
@@ -46,7 +46,7 @@ def fwd_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     """``(block_m, block_n)`` of the forward's query tables (`tree_fwd_config`'s, or the Triton forward's)."""
     cfg = tree_fwd_config(q, k, v)
     if cfg is None:
-        cfg = launch_config("fwd", q.shape[-1], q.dtype, q.device)
+        cfg = triton_config("fwd", q, v)
     return cfg.block_m, cfg.block_n
 
 
@@ -61,10 +61,10 @@ def tree_dq_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> GluonBw
 
 def dq_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """``(block_m, block_n)`` of the dQ pass's query tables: `tree_dq_config`'s where the Gluon tree dQ runs,
-    else the Triton tree dQ's (`launch_config("dq", ...)`, what `packattn.ops.tree.op` launches it with)."""
+    else the Triton tree dQ's (`triton_config("dq", ...)`, what `packattn.ops.tree.op` launches it with)."""
     cfg = tree_dq_config(q, k, v)
     if cfg is None:
-        cfg = launch_config("dq", q.shape[-1], q.dtype, q.device)
+        cfg = triton_config("dq", q, v)
     return cfg.block_m, cfg.block_n
 
 

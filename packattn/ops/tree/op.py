@@ -16,7 +16,7 @@ from packattn.ops.runtime.launch import LOG2E, NO_MASK, _last_dim_contiguous, _l
 from packattn.ops.tree import configs as tree_configs
 from packattn.ops.tree.launch_sm90 import gluon_tree_dq, gluon_tree_fwd
 from packattn.ops.tree.tables import tree_tables
-from packattn.ops.varlen.configs import launch_config
+from packattn.ops.varlen.configs import triton_config
 from packattn.ops.varlen.launch_sm90 import gluon_dkdv
 from packattn.ops.varlen.launch_triton import bwd_delta, triton_dkdv
 from packattn.ops.varlen.op import bwd_plan, check_plan
@@ -37,7 +37,7 @@ def _tree_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[to
     total, heads_q, head_dim = q.shape
     out = q.new_empty(q.shape)
     lse = torch.empty((heads_q, total), device=q.device, dtype=torch.float32)
-    config = launch_config("fwd", head_dim, q.dtype, q.device)
+    config = triton_config("fwd", q, v)
     args = (q, k, v, out, lse, fwd_tiles, fwd_intervals, key_end,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), total, heads_q, heads_q // k.shape[1], scale * LOG2E)
@@ -79,7 +79,7 @@ def _tree_bwd(
     if dq_cfg is not None:  # the dq tables were built with its blocks (`tree_configs.dq_blocks`)
         gluon_tree_dq(q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end, scale, dq_cfg)
         return dq, dk, dv
-    config = launch_config("dq", head_dim, q.dtype, q.device)  # (the blocks of `tree_configs.dq_blocks`)
+    config = triton_config("dq", q, v)  # (the blocks of `tree_configs.dq_blocks`)
     args = (q, k, v, dout, lse, delta, dq, dq_tiles, dq_intervals, key_end,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),

@@ -95,10 +95,9 @@ def _is_hopper(device_index: int) -> bool:
 
 def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
                   long_seqs: bool = False) -> LaunchConfig:
-    """Block sizes and launch options of the Triton ``kernel`` ("fwd", "dq", "dkdv"); the tile tables use the
-    same block sizes, so both sides call this. ``long_seqs``: some sequence has at least `LONG_SEQLEN` queries.
-    ``head_dim``: with a value head dim of its own (MLA) every caller passes ``max(q/k head dim, v head dim)``,
-    the wider tile bounding shared memory and registers."""
+    """Block sizes and launch options of the Triton ``kernel`` ("fwd", "dq", "dkdv") at tile width ``head_dim``
+    (the launchers and the tile tables go through `triton_config`). ``long_seqs``: some sequence has at least
+    `LONG_SEQLEN` queries."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_CONFIGS[kernel]
     bd = block_d(head_dim)
@@ -109,6 +108,13 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.
         if kernel == "fwd" and long_seqs and table is HOPPER_CONFIGS and bd in HOPPER_LONG_FWD_CONFIGS:
             return HOPPER_LONG_FWD_CONFIGS[bd]
     return table.get((kernel, bd)) or table[(kernel, 128 if bd <= 128 else 256)]
+
+
+def triton_config(kernel: str, q: torch.Tensor, v: torch.Tensor, long_seqs: bool = False) -> LaunchConfig:
+    """`launch_config` of the Triton ``kernel`` on these tensors, for the launchers and the tile tables alike: the
+    tile width is the wider of the q/k and v head dims (with MLA the wider tile bounds shared memory and
+    registers)."""
+    return launch_config(kernel, max(q.shape[-1], v.shape[-1]), q.dtype, q.device, long_seqs)
 
 
 # ---------------------------------------------------------------- Gluon forward (sm_90)

@@ -2,7 +2,7 @@
 outputs they write. Float32 inputs use ``tl.dot(..., input_precision="ieee")``: exact float32 products (no
 TF32), slower than TF32 on tensor cores. ``seq_args = (cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
 row_offsets_kv)``; ``scale >= 0`` (`launch.nonnegative_scale`); the tile tables are built with
-`configs.launch_config`'s blocks. MLA: V, out, dO, dV have v's head dim (may differ from q/k's).
+`configs.triton_config`'s blocks. MLA: V, out, dO, dV have v's head dim (may differ from q/k's).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import (LOG2E, NO_MASK, _launch, _precision, block_d, mask_constexprs,
                                          mask_scalars)
-from packattn.ops.varlen.configs import PREPROCESS_BLOCK_M, launch_config
+from packattn.ops.varlen.configs import PREPROCESS_BLOCK_M, triton_config
 
 
 def new_output(shape, dtype, device, padded: bool, pad_rows: torch.Tensor | None, fill: float = 0.0,
@@ -49,7 +49,7 @@ def triton_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, l
     from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel
 
     heads_q, head_dim, head_dim_v = q.shape[1], q.shape[2], v.shape[2]
-    config = launch_config("fwd", max(head_dim, head_dim_v), q.dtype, q.device, long_seqs)
+    config = triton_config("fwd", q, v, long_seqs)
     args = (q, k, v, out, lse, q_tiles, *seq_args,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
@@ -102,7 +102,7 @@ def triton_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float
     tree = key_end is not None
     if tree:
         mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
-    config = launch_config("dkdv", max(q.shape[-1], v.shape[-1]), q.dtype, q.device)
+    config = triton_config("dkdv", q, v)
     args = (q, k, v, dout, lse, delta, dk, dv, tiles, *seq_args, key_end if tree else tiles,
             *_qkv_do_strides(q, k, v, dout), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
             heads_kv, q.shape[1] // heads_kv, scale * LOG2E, scale, *(TREE_SCALARS if tree else mask_scalars(mask)))
@@ -116,7 +116,7 @@ def triton_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask
     from packattn.ops.varlen.bwd_triton import bwd_dq_kernel
 
     heads_q, head_dim, head_dim_v = q.shape[1], q.shape[2], v.shape[2]
-    config = launch_config("dq", max(head_dim, head_dim_v), q.dtype, q.device)
+    config = triton_config("dq", q, v)
     args = (q, k, v, dout, lse, delta, dq, tiles, *seq_args, *_qkv_do_strides(q, k, v, dout),
             dq.stride(0), dq.stride(1), lse.stride(0), heads_q, heads_q // k.shape[1], scale * LOG2E, scale,
             *mask_scalars(mask))

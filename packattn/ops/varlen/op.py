@@ -79,9 +79,8 @@ def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool
     gluon = sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES)
     dkdv = configs.dkdv_config(q.shape[-1], q.shape[1] // k.shape[1]) if gluon else None
     dq = configs.dq_config(q.shape[-1], short_seqs) if gluon else None
-    tile_dim = max(q.shape[-1], v.shape[-1])  # the launchers' rule (`configs.launch_config`)
-    triton_dkdv = dkdv or configs.launch_config("dkdv", tile_dim, q.dtype, q.device)
-    triton_dq = dq or configs.launch_config("dq", tile_dim, q.dtype, q.device)
+    triton_dkdv = dkdv or configs.triton_config("dkdv", q, v)
+    triton_dq = dq or configs.triton_config("dq", q, v)
     return BwdPlan(dkdv, dq, (triton_dkdv.block_n, triton_dkdv.block_m, dkdv is not None),
                    (triton_dq.block_m, triton_dq.block_n, dq is not None), short_seqs)
 
@@ -118,7 +117,7 @@ def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[li
     if gluon:
         fwd = configs.config_for(head_dim, long_seqs, short_seqs, q.device)
     else:
-        fwd = configs.launch_config("fwd", max(head_dim, v.shape[-1]), q.dtype, q.device, long_seqs)
+        fwd = configs.triton_config("fwd", q, v, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
     if need_grad:
         dq_tiles, dkdv_tiles = bwd_tables(seqs, mask, bwd_plan(q, k, v, short_seqs))
