@@ -2,7 +2,8 @@
 
 usage: python3 benchmarks/tune_triton.py [W1 W8 ...] [--kernels fwd,dkdv,dq] [--configs "M,N,w,s;..."]
 For each workload: forward time per fwd config; then fwd+bwd time per dkdv config and per dq config (the other
-kernels at their current configs), at head dim 128 (BLOCK_D 128). Prints a table per kernel, best first.
+kernels at their current configs), at the workload's tile width (BLOCK_D of the wider of its q/k and v head dims;
+the head-dim sweep's workloads D64 ... D256, MLA are accepted too). Prints a table per kernel, best first.
 The sweep runs with ``PACKATTN_PORTABLE=1`` (the Triton kernels, not the Hopper Gluon ones) and sets the
 `HOPPER_CONFIGS` entry under test through `packattn.ops.varlen.configs.override`. ``--configs`` replaces the
 lists below (repeats allowed: an A/B, in the order given).
@@ -18,13 +19,19 @@ import torch
 import triton.testing
 
 import packattn
-from packattn.bench.workloads import varlen_workloads
+from packattn.bench.workloads import head_dim_workloads, varlen_workloads
 from packattn.ops.runtime import launch
 from packattn.ops.varlen import configs
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
 DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2),
         (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 4, 3), (32, 64, 4, 3)]
+# BLOCK_D 256 (head dims 192, 256; MLA 192/128): shared memory and registers allow only smaller tiles
+FWD_256 = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 1), (64, 16, 4, 3)]
+DKDV_256 = [(16, 32, 8, 1), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1), (32, 32, 8, 2), (16, 64, 4, 2),
+            (32, 128, 8, 1), (64, 32, 8, 2)]
+DQ_256 = [(64, 16, 8, 1), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 1), (128, 32, 8, 1), (32, 64, 4, 2), (64, 16, 4, 2),
+          (128, 16, 8, 2)]
 DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2),
       (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]
 
@@ -34,8 +41,8 @@ def bench(fn):
 
 
 def run(w, q, k, v, dout, kernel: str, cfg: tuple, fwd_only: bool) -> tuple[float, float]:
-    """``(ms, TF/s)`` of workload ``w`` with ``cfg`` as the Triton ``kernel``'s config at BLOCK_D 128."""
-    table = dict(configs.HOPPER_CONFIGS, **{(kernel, 128): launch.LaunchConfig(*cfg)})
+    """``(ms, TF/s)`` of workload ``w`` with ``cfg`` as the Triton ``kernel``'s config at the workload's BLOCK_D."""
+    table = {**configs.HOPPER_CONFIGS, (kernel, _block_d(w)): launch.LaunchConfig(*cfg)}
     with configs.override(HOPPER_CONFIGS=table, HOPPER_LONG_FWD_CONFIGS={}):
         launch._reduced_stages.clear()
         seqs = w.varlen("cuda")  # fresh per-batch tile tables for these block sizes
@@ -52,6 +59,10 @@ def run(w, q, k, v, dout, kernel: str, cfg: tuple, fwd_only: bool) -> tuple[floa
         return ms, w.fwdbwd_flops() / ms / 1e9
 
 
+def _block_d(w) -> int:
+    return launch.block_d(max(w.head_dim, w.value_dim))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="*", default=["W1", "W8"])
@@ -60,12 +71,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     os.environ["PACKATTN_PORTABLE"] = "1"
     listed = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")] if args.configs else None
-    table = varlen_workloads()
+    table = {**varlen_workloads(), **head_dim_workloads()}
     for name in args.workloads:
         w = table[name]
         _, q, k, v = w.make_inputs("cuda", torch.bfloat16)
-        dout = torch.randn_like(q)
-        for kernel, candidates, fwd_only in (("fwd", FWD, True), ("dkdv", DKDV, False), ("dq", DQ, False)):
+        dout = torch.randn(*q.shape[:2], v.shape[-1], device=q.device, dtype=q.dtype)  # out's shape
+        wide = _block_d(w) == 256
+        for kernel, candidates, fwd_only in (("fwd", FWD_256 if wide else FWD, True),
+                                             ("dkdv", DKDV_256 if wide else DKDV, False),
+                                             ("dq", DQ_256 if wide else DQ, False)):
             if kernel not in args.kernels.split(","):
                 continue
             rows = []

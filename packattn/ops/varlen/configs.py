@@ -45,21 +45,22 @@ GLUON_MIN_SEQLEN = 128
 
 # ---------------------------------------------------------------- Triton kernels
 # (kernel, padded head dim BLOCK_D) -> config. fwd and dq run per query tile, dkdv per key tile. BLOCK_D 128 (head
-# dims 96, 128): the best of a sweep on the H200 (NOTES.md, v4 and v7); the others are only checked to compile for
-# sm_90a and fit in shared memory (scripts/check_triton_compile.py).
+# dims 96, 128): the best of a sweep on the H200 (NOTES.md, v4 and v7); BLOCK_D 256 (head dims 192, 256): the best
+# of a sweep on the H100 (NOTES.md, v33); the others are only checked to compile for sm_90a and fit in shared
+# memory (scripts/check_triton_compile.py).
 HOPPER_CONFIGS = {
     ("fwd", 32): LaunchConfig(128, 128, 4, 3),
     ("fwd", 64): LaunchConfig(128, 128, 8, 3),
     ("fwd", 128): LaunchConfig(128, 32, 4, 4),
-    ("fwd", 256): LaunchConfig(64, 32, 8, 2),
+    ("fwd", 256): LaunchConfig(64, 32, 4, 2),
     ("dq", 32): LaunchConfig(128, 64, 8, 2),
     ("dq", 64): LaunchConfig(128, 64, 8, 2),
     ("dq", 128): LaunchConfig(128, 64, 8, 3),
-    ("dq", 256): LaunchConfig(64, 16, 8, 1),
+    ("dq", 256): LaunchConfig(64, 16, 4, 2),
     ("dkdv", 32): LaunchConfig(64, 128, 8, 2),
     ("dkdv", 64): LaunchConfig(64, 128, 8, 2),
     ("dkdv", 128): LaunchConfig(32, 64, 4, 3),
-    ("dkdv", 256): LaunchConfig(16, 32, 8, 1),
+    ("dkdv", 256): LaunchConfig(32, 32, 4, 2),
 }
 # Forward of batches with a sequence of >= LONG_SEQLEN queries, BLOCK_D 128: 8 warps over 64-key blocks measured
 # faster on one long document (W4), the table's on mixes of shorter ones (NOTES.md, v7).
