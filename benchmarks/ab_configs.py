@@ -31,7 +31,7 @@ import torch
 import triton.testing
 
 import packattn
-from packattn.bench.workloads import tree_workloads, varlen_workloads
+from packattn.bench.workloads import head_dim_workloads, tree_workloads, varlen_workloads
 
 FAMILIES = {"": "packattn.ops.varlen.configs", "tree.": "packattn.ops.tree.configs"}
 
@@ -71,7 +71,8 @@ def run(w, mode: str):
     desc, q, k, v = w.make_inputs("cuda", requires_grad=(mode == "fb"))
     backend = "triton_tree" if isinstance(desc, packattn.Tree) else "triton"
     options = {} if backend == "triton_tree" else w.options
-    dout = torch.randn_like(q)
+    gen = torch.Generator(device="cuda").manual_seed(1)  # the same dout for every variant
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, generator=gen).to(q.dtype)  # out's shape
 
     def call():
         if mode == "fwd":
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args(argv)
     variants = args.variant or [""]
-    table = {**varlen_workloads(), **tree_workloads()}
+    table = {**varlen_workloads(), **tree_workloads(), **head_dim_workloads()}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"mode {args.mode}, variants {variants}, {args.repeat} repeat(s)", flush=True)
     times, checks = defaultdict(list), {}

@@ -159,12 +159,12 @@ def test_every_tree_gluon_table_covers_the_declared_head_dims():
 @pytest.mark.parametrize("values", [{"CONFIGS": {128: configs.CONFIGS[128]}},  # d = 64 lost: the plans would fail
                                     {"DQ_CONFIGS": {**configs.DQ_CONFIGS, 96: configs.DQ_CONFIGS[128]}},  # ignored
                                     {"GLUON_HEAD_DIMS": (64, 96, 128)},  # no configs for 96
-                                    {"DKDV_CONFIGS": {256: configs.DKDV_CONFIGS[128]}}])
+                                    {"DKDV_CONFIGS": {32: configs.DKDV_CONFIGS[128]}}])
 def test_varlen_override_refuses_tables_off_the_declared_head_dims(values):
     with pytest.raises(ValueError, match="head dims"):
         with configs.override(**values):
             pass
-    assert configs.GLUON_HEAD_DIMS == (64, 128) and set(configs.CONFIGS) == {64, 128}  # restored
+    assert configs.GLUON_HEAD_DIMS == (64, 128, 256) and set(configs.CONFIGS) == {64, 128, 256}  # restored
 
 
 def test_tree_override_refuses_tables_off_the_declared_head_dims():

@@ -83,6 +83,18 @@ def _store_tile(acc, stage, base, first_row, end_row, stride_row, ROWS: gl.const
 
 
 @gluon.jit
+def _store_direct(acc, base, first_row, end_row, stride_row, ROWS: gl.constexpr, COLS: gl.constexpr,
+                  layout: gl.constexpr):
+    """Store rows ``first_row + i < end_row`` of ``acc`` (layout ``layout``, cast to ``base``'s type) to
+    ``base[row * stride_row + c]`` straight from registers (no staging buffer: for a kernel whose shared
+    operand buffers may still be read by another warp group)."""
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows.to(gl.int64)[:, None] * stride_row + cols[None, :]
+    gl.store(ptrs, acc.to(base.dtype.element_ty), mask=(rows < end_row)[:, None])
+
+
+@gluon.jit
 def _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
            window_right, chunk_size, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
            HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):

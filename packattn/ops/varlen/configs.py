@@ -34,7 +34,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The head dims and dtypes of the sm_90 Gluon kernels (the plans ask `sm90.sm90_runs` with these): `CONFIGS`,
 # `LONG_CONFIGS` and `DQ_CONFIGS` hold a config for each head dim, the other Gluon tables a subset
 # (`_check_tables`, at import and in `override`); a dim added here needs its configs, and vice versa.
-GLUON_HEAD_DIMS = (64, 128)
+GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs (NOTES.md, v7).
 LONG_SEQLEN = 8192
@@ -141,10 +141,12 @@ class GluonConfig:
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
-# fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13).
-CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
+# fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 32-key blocks, 3
+# stages (Q 64 KB + 3 x 32 KB = 160 KB; the 64 x 256 float32 output takes 128 of a consumer's registers), the
+# best of three on D256 / S512d256 (NOTES.md, v33).
+CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8), 256: GluonConfig(128, 32, 3, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
-LONG_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
+LONG_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8), 256: GluonConfig(128, 32, 3, 8)}
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
 # warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
@@ -212,12 +214,16 @@ class GluonBwdConfig:
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 128 (NOTES.md, v11 and v19); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one (v19). No Gluon dK/dV at d = 64: the Triton pass runs there.
-DKDV_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
+# d = 256: two consumer warp groups split the head dim of one 64-key tile (`dkdv_splits_head_dim`), 32 queries per
+# step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33).
+DKDV_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True), 256: GluonBwdConfig(32, 64, 3, 8, True)}
 DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
 DKDV_GQA_GROUP = 4
 # dQ: the non-specialised kernel at d = 64, the two-consumer warp-specialised one at d = 128 (NOTES.md, v12/v13);
-# the one-consumer one for short batches (v19). The dQ tile table follows the config's blocks.
-DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4, 8, False), 128: GluonBwdConfig(128, 64, 4, 8, True)}
+# the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
+# delta, 224 KB of shared memory). The dQ tile table follows the config's blocks.
+DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4, 8, False), 128: GluonBwdConfig(128, 64, 4, 8, True),
+              256: GluonBwdConfig(64, 64, 2, 4, True)}
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
 FORCE_DQ: GluonBwdConfig | None = None  # `override(dq=...)`: the config of every Gluon dQ pass
@@ -251,13 +257,22 @@ def dq_computes_delta(cfg: GluonBwdConfig | None) -> bool:
 
 def check_dkdv_config(cfg: GluonBwdConfig) -> None:
     """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
-    (block_n 128, num_warps 8) or one (block_n 64, num_warps 4), 32 or 64 queries per step, >= 2 stages."""
+    (block_n 128, num_warps 8), one (block_n 64, num_warps 4), or two splitting the head dim of one 64-key tile
+    (block_n 64, num_warps 8: `dkdv_splits_head_dim`), 32 or 64 queries per step, >= 2 stages."""
     two = (cfg.block_n, cfg.num_warps) == (128, 8)
     one = (cfg.block_n, cfg.num_warps) == (64, 4)
-    if not cfg.warp_specialize or not (one or two) or cfg.block_m not in (32, 64) or cfg.stages < 2:
+    if (not cfg.warp_specialize or not (one or two or dkdv_splits_head_dim(cfg)) or cfg.block_m not in (32, 64)
+            or cfg.stages < 2):
         raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_m 32 / 64, stages >= 2 and "
-                         "block_n 128 with num_warps 8 (two consumer warp groups) or block_n 64 with num_warps 4 "
-                         "(one), warp_specialize")
+                         "block_n 128 with num_warps 8 (two consumer warp groups), block_n 64 with num_warps 4 "
+                         "(one) or block_n 64 with num_warps 8 (two, splitting the head dim), warp_specialize")
+
+
+def dkdv_splits_head_dim(cfg: GluonBwdConfig) -> bool:
+    """Do the dK/dV kernel's two consumer warp groups share one 64-key tile, each computing S^T and dP^T over the
+    whole head dim and dK / dV over half its columns (block_n 64, num_warps 8: the kernel's ``SPLIT_D``)? Where
+    64 x d float32 dK and dV do not fit one warp group's registers (d = 256)."""
+    return (cfg.block_n, cfg.num_warps) == (64, 8)
 
 
 def check_dq_config(cfg: GluonBwdConfig) -> None:

@@ -20,7 +20,7 @@ from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
 from packattn.ops.runtime.sm90 import _descriptor, ws_grid, ws_split
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
-                                         dq_computes_delta, heads_per_section)
+                                         dkdv_splits_head_dim, dq_computes_delta, heads_per_section)
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -38,7 +38,7 @@ def fwd_resources(cfg: GluonConfig, head_dim: int) -> dict:
 def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
     """Shared memory of one dK/dV CTA: K and V of the tile, the (Q, dO) ring, lse / delta per ring slot, the
     consumers' query-position tables, the mbarriers (``kv_bar``, with two consumers ``zero_bar``, the ring's)."""
-    consumers = cfg.block_n // 64
+    consumers = cfg.num_warps // 4
     return ((2 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * head_dim * element_size
             + 4 * (2 * cfg.stages * cfg.block_m + consumers * cfg.block_m) + 8 * (consumers + 2 * cfg.stages))
 
@@ -127,8 +127,8 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
             scale, *mask_scalars(mask), section, num_work)
     fast_launch.launch(varlen_bwd_dkdv_gluon_ws_kernel, (num_work,), args, dict(
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
-        TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        num_warps=4, maxnreg=res["maxnreg"]))
+        TREE=tree, SPLIT_D=dkdv_splits_head_dim(cfg), CONSUMER_REGS=res["consumer_regs"],
+        PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
 
 
 def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,

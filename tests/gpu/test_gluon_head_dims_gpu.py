@@ -1,0 +1,97 @@
+"""The sm_90 Gluon kernels at head dims other than 64 / 128 against the float32 reference, at full size (bf16 / fp16):
+d = 256 (forward 128 x 32 tiles; dK/dV with two warp groups splitting the head dim of one key tile; the
+one-consumer dQ computing delta), every mask, GQA / MHA, padding, empty and length-1 sequences, the deterministic
+backward, and a tree at d = 256 (its dK/dV is the varlen kernel's TREE branch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import packattn
+from packattn.bench.workloads import doc_lengths, grpo_sequences
+from packattn.ops.varlen import configs, op
+from packattn.tree import Tree
+from packattn.varlen import Varlen
+from tests.gpu.test_triton_varlen_gpu import check_against_reference, forward_backward, inputs, rel_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                reason="the sm_90 Gluon kernels need a Hopper GPU")
+
+MASKS = [{"causal": True}, {"causal": "top_left", "window": (100, 0)}, {"chunk_size": 100}, {"window": (70, 30)}, {}]
+MASK_IDS = ["causal", "top_left_window", "chunk", "window", "full"]
+NASTY_Q = [300, 1, 0, 64, 65, 500, 129, 37, 1000]
+NASTY_KV = [200, 5, 40, 64, 1, 500, 300, 0, 1100]
+
+
+def test_plan_takes_the_gluon_kernels_at_256():
+    seqs = Varlen.from_lengths([1000, 300], device="cuda")
+    q, k, v, _ = inputs(seqs, 8, 2, 256)
+    tables, options = op.forward_plan(q, k, v, seqs, packattn.mask.Mask(), need_grad=True)
+    assert options[op.FWD_OPTIONS.index("gluon")]
+    plan = op.bwd_plan(q, k, v)
+    assert plan.dkdv is not None and configs.dkdv_splits_head_dim(plan.dkdv)
+    assert plan.dq is not None and plan.dq.warp_specialize
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("opts", MASKS, ids=MASK_IDS)
+def test_d256_masks(opts, heads):
+    seqs = Varlen.from_lengths(NASTY_Q, NASTY_KV, pad_to_multiple=16, device="cuda")
+    check_against_reference(*inputs(seqs, *heads, 256), seqs, **opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_d256_long_documents(dtype):
+    seqs = Varlen.from_lengths(doc_lengths(16384, seed=0), device="cuda")
+    check_against_reference(*inputs(seqs, 16, 4, 256, dtype), seqs, causal=True)
+
+
+@pytest.mark.parametrize("cfg", [configs.GluonBwdConfig(64, 64, 2, 8, True), configs.GluonBwdConfig(32, 64, 2, 8, True)],
+                         ids=["64x64x2", "32x64x2"])
+def test_d256_split_dkdv_configs(cfg):
+    """Other blocks of the head-dim-splitting dK/dV give the reference's gradients."""
+    seqs = Varlen.from_lengths(NASTY_Q, NASTY_KV, device="cuda")
+    with configs.override(dkdv=cfg):
+        check_against_reference(*inputs(seqs, 8, 2, 256), seqs, causal=True)
+
+
+@pytest.mark.parametrize("cfg", [configs.GluonConfig(128, 64, 2, 8), configs.GluonConfig(64, 64, 2, 4)],
+                         ids=["128x64x2", "64x64x2"])
+def test_d256_forward_configs(cfg):
+    seqs = Varlen.from_lengths(NASTY_Q, NASTY_KV, device="cuda")
+    with configs.override(fwd=cfg):
+        check_against_reference(*inputs(seqs, 8, 2, 256), seqs, causal=True, window=(300, 0))
+
+
+def test_d256_backward_is_bitwise_deterministic():
+    seqs = Varlen.from_lengths(doc_lengths(16384, seed=1), pad_to_multiple=64, device="cuda")
+    q, k, v, dout = inputs(seqs, 16, 4, 256)
+    first = forward_backward(q, k, v, dout, seqs, "triton", causal=True, deterministic=True)
+    second = forward_backward(q, k, v, dout, seqs, "triton", causal=True, deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_d256_padding_rows_stay_zero():
+    seqs = Varlen.from_lengths(NASTY_Q, pad_to_multiple=64, device="cuda")
+    out, lse, dq, dk, dv = check_against_reference(*inputs(seqs, 8, 2, 256), seqs, causal=True)
+    padding = seqs.row_map_q()[0] < 0
+    assert padding.any()
+    for t in (out, dq, dk, dv):
+        assert torch.equal(t[padding], torch.zeros_like(t[padding]))
+
+
+def test_tree_d256():
+    tree = Tree.from_sequences(grpo_sequences(2, 300, 4, 150), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(tree.total, h, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn(tree.total, 8, 256, device="cuda", generator=gen).bfloat16()
+    out = packattn.attention(q, k, v, tree, backend="triton_tree")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = packattn.attention(*leaves, tree, backend="reference")
+    ref_grads = torch.autograd.grad(ref, leaves, dout.float())
+    errors = {name: rel_l2(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
+    assert all(e < 1e-2 for e in errors.values()), errors
