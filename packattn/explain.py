@@ -1,7 +1,8 @@
 """`packattn explain`: which backend ``backend="auto"`` picks for a described call, and why each other
 backend is passed over, without running anything (no tensors are allocated; descriptors are built on
 the host). It asks the same dispatch code a call asks, with the environment's overrides
-(``PACKATTN_BACKEND``, ``PACKATTN_DISABLE``) applied.
+(``PACKATTN_BACKEND``, ``PACKATTN_DISABLE``) applied, and says what decided: the measured-cost table's row
+(`packattn.costs`: its key, the table's device and date, every backend's time) or the priority rule.
 
 A call is described by a benchmark workload (``--workload W1``) and/or flags: lengths, heads, head
 dims, dtype, device, mask, descriptor kind, gradients, lse, determinism.
@@ -143,12 +144,15 @@ def run(args: argparse.Namespace) -> int:
     from packattn import dispatch
 
     params, line = describe_call(args)
-    chosen, listing = dispatch.explain(params, args.backend)
+    chosen, listing, decision = dispatch.explain(params, args.backend)
     print(f"call: {dispatch.describe(params)}, backend={args.backend!r}")
     print(f"      {line}")
     if params.device_type == "cuda" and not _has_cuda():
         print("      (no CUDA device here: the backends that need one are unavailable; explain on the GPU machine)")
     print(f"picks: {chosen or 'nothing (no backend can run this call)'}")
+    if decision is not None and chosen is not None:
+        for text in _decision_lines(decision):
+            print(text)
     width = max(len(name) for name, _ in listing)
     for name, why in listing:
         if name == chosen:
@@ -159,6 +163,27 @@ def run(args: argparse.Namespace) -> int:
             verdict = why
         print(f"  {name:<{width}}  {verdict}")
     return 0 if chosen else 1
+
+
+def _decision_lines(decision) -> list[str]:
+    """What decided auto's pick (`costs.Decision`): the row, the shapes it was measured on and the table's
+    device and versions; or the priority rule and why no row decided."""
+    lines = [f"decided by: {decision.describe()}"]
+    lines += [f"      measured on {_shape_line(shape)}" for shape in (decision.row.shapes if decision.choice else ())]
+    meta = decision.table.meta if decision.table is not None else {}
+    if meta.get("device"):
+        lines.append(f"      table: {decision.table.source} ({meta['device']}, {meta.get('date')}; torch "
+                     f"{meta.get('torch')}, triton {meta.get('triton')}, FA4 {meta.get('fa4') or 'not installed'})")
+    return lines
+
+
+def _shape_line(shape) -> str:
+    """One measured shape of a cost-table row: its lengths, heads and times."""
+    if not isinstance(shape, dict):
+        return str(shape)
+    heads = "/".join(str(h) for h in shape.get("heads", ()))
+    times = ", ".join(f"{name} {ms:.3g}" for name, ms in sorted(shape.get("ms", {}).items(), key=lambda t: t[1]))
+    return f"{shape.get('lengths', '?')}, heads {heads}: {times} ms"
 
 
 def _has_cuda() -> bool:
