@@ -1,4 +1,4 @@
-"""`packattn info | explain | demo | bench`, and `packattn --version`."""
+"""`packattn info | explain | demo | bench | tune`, and `packattn --version`."""
 
 from __future__ import annotations
 
@@ -91,7 +91,43 @@ def _parser() -> argparse.ArgumentParser:
                             "(packattn.bench.workloads.head_dim_workloads), with --workloads added")
     bench.add_argument("--cp-scaling", nargs="+", metavar="JSON",
                        help="plot efficiency against world size from --cp JSON files into --plot (no run)")
+    _tune_parser(sub)
     return parser
+
+
+def _tune_parser(sub) -> None:
+    tune = sub.add_parser("tune", help="time the backends on a grid of shapes on this GPU and write the cost table "
+                                       "auto dispatch ranks them by (GPU)",
+                          description="packattn/bench/tune.py: the grid, the budget, what is timed")
+    tune.add_argument("--out", metavar="FILE", help="write the table here (JSON, rewritten after every shape); "
+                      "commit it as packattn/data/costs_<arch>.json")
+    tune.add_argument("--check", action="store_true", help="instead: time auto against every backend on a sweep "
+                      "of other shapes (forward and forward+backward) and print auto's ratio to the fastest")
+    tune.add_argument("--table", metavar="FILE", help="--check: rank by this table instead of the packaged one")
+    tune.add_argument("--json", metavar="FILE", help="--check: write the sweep's rows here")
+    tune.add_argument("--budget", type=float, default=290.0, metavar="SECONDS",
+                      help="wall time for the whole run, compiles included (default 290): timing stops when it is "
+                           "spent, and the table written so far stays valid")
+    tune.add_argument("--resume", action="store_true", help="keep the shapes --out already holds, time the rest")
+    tune.add_argument("--backends", nargs="+", metavar="NAME",
+                      help="backends to time (default: fa4 triton torch_varlen; e.g. add flex)")
+    tune.add_argument("--workers", type=int, metavar="N", help="processes that compile every kernel first, in "
+                      "parallel (default: CPU cores - 2, at most 12; 0: compile while timing)")
+    tune.add_argument("--only", metavar="REGEX", help="only the grid shapes whose name matches (e.g. 'long d128')")
+
+
+def _tune(args, parser, argv) -> int:
+    if args.check:
+        from packattn.bench.tune_check import run_check
+
+        return run_check(args.table, args.backends, args.json, args.workers, args.budget)
+    if not args.out:
+        parser.error("packattn tune needs --out FILE (or --check)")
+    from packattn.bench.tune import run_tune
+
+    command = "packattn " + " ".join(argv if argv is not None else sys.argv[1:])
+    return run_tune(args.out, budget=args.budget, resume=args.resume, names=args.backends, workers=args.workers,
+                    only=args.only, command=command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                          args.heat_up, args.pause, args.rounds)
     if args.command == "info":
         return info()
+    if args.command == "tune":
+        try:
+            return _tune(args, parser, argv)
+        except ValueError as e:  # an unknown backend, a --resume of another device's file
+            parser.error(str(e))
     from packattn.demo_tree import run_demo_tree
 
     if args.what == "tree":

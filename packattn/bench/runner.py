@@ -17,8 +17,9 @@ from packattn.bench.plotting import pyplot
 from packattn.bench.workloads import TreeWorkload, Workload, all_workloads, head_dim_workloads
 
 
-def _do_bench(fn) -> float:
-    """Median ms of ``fn`` over 100 ms of calls, after 250 ms of the same calls: on an H100 our kernels run
+def _do_bench(fn, warmup: int = 250, rep: int = 100) -> float:
+    """Median ms of ``fn`` over ``rep`` ms of calls, after ``warmup`` ms of the same calls (triton.testing.do_bench,
+    which flushes the L2 cache before every timed call). The defaults, 250 / 100 ms: on an H100 our kernels run
     at the 700 W power limit (1560-1680 MHz where torch's varlen_attn keeps 1965), and the clocks a row
     starts with depend on the row before it, so the warm-up is long enough for them to move towards this
     call's own level (with 25 ms warm-ups W1's forward varied by 9% across runs). It did not remove the drift
@@ -26,7 +27,29 @@ def _do_bench(fn) -> float:
     rounds did (`run_bench`'s ``rounds``)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=250, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def time_fwd_fwdbwd(fn, q, k, v, *, warmup: int = 250, rep: int = 100, forward_grad: bool = True,
+                    backward: bool = True) -> tuple[float, float | None]:
+    """``(forward ms, forward+backward ms)`` of ``fn(q, k, v) -> out`` (`_do_bench` medians): the backward takes
+    a ``dout`` of the output's shape and returns the gradients of q, k, v. ``forward_grad=False`` times the forward
+    under ``torch.no_grad()`` (what an inference call dispatches as); ``backward=False`` skips the second time
+    (None). The one timing helper of `packattn bench` and `packattn tune`."""
+    dout = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output has the value head dim
+
+    def forward():
+        if forward_grad:
+            return fn(q, k, v)
+        with torch.no_grad():
+            return fn(q, k, v)
+
+    def fwdbwd():
+        out = fn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    fwd_ms = _do_bench(forward, warmup, rep)
+    return fwd_ms, (_do_bench(fwdbwd, warmup, rep) if backward else None)
 
 
 def _copy_TBps(x: torch.Tensor) -> float:
@@ -89,14 +112,7 @@ def run_one(w: Workload, impl: str, device) -> dict:
         if group > 1:
             k = k.detach().repeat_interleave(group, dim=1).requires_grad_()
             v = v.detach().repeat_interleave(group, dim=1).requires_grad_()
-        dout = q.new_empty(*q.shape[:-1], v.shape[-1]).normal_()  # the output has the value head dim
-        fwd_ms = _do_bench(lambda: fn(q, k, v))
-
-        def fwdbwd():
-            out = fn(q, k, v)
-            torch.autograd.grad(out, (q, k, v), dout)
-
-        fwdbwd_ms = _do_bench(fwdbwd)
+        fwd_ms, fwdbwd_ms = time_fwd_fwdbwd(fn, q, k, v)
         flops = getattr(fn, "flops", None) or w.fwd_flops()
         row.update(
             fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(fwdbwd_ms, 4),
