@@ -157,8 +157,8 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg,
         fn = (varlen_bwd_dkdv_gluon_ws_kernel if kernel == "dkdv" else
               tree_dq_gluon_ws_kernel if tree else varlen_bwd_dq_gluon_ws_kernel)
         constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        if fn is varlen_bwd_dkdv_gluon_ws_kernel and configs.dkdv_splits_head_dim(cfg):
-            constexprs.update(SPLIT_D=True)
+        if fn is varlen_bwd_dkdv_gluon_ws_kernel:  # as `gluon_dkdv` passes it
+            constexprs.update(SPLIT_D=configs.dkdv_splits_head_dim(cfg))
         if fn is varlen_bwd_dq_gluon_ws_kernel:
             constexprs.update(DELTA_FROM_O=delta_from_o)
             if not delta_from_o:

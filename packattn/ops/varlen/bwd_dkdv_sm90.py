@@ -303,8 +303,7 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
     gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
-    gl.static_assert(not SPLIT_D or BLOCK_N == WG_KEYS, "split head dim: both groups on one 64-key tile")
-    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS + SPLIT_D
+    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS + SPLIT_D  # SPLIT_D: BLOCK_N = 64 (`configs.check_dkdv_config`)
     k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty = _dkdv_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CONSUMERS)
     if CONSUMERS == 2:
