@@ -112,7 +112,7 @@ def _tune_parser(sub) -> None:
     tune.add_argument("--backends", nargs="+", metavar="NAME",
                       help="backends to time (default: fa4 triton torch_varlen; e.g. add flex)")
     tune.add_argument("--workers", type=int, metavar="N", help="processes that compile every kernel first, in "
-                      "parallel (default: CPU cores - 2, at most 12; 0: compile while timing)")
+                      "parallel (default: CPU cores - 2, at most 14; 0: compile while timing)")
     tune.add_argument("--only", metavar="REGEX", help="only the grid shapes whose name matches (e.g. 'long d128')")
 
 

@@ -189,7 +189,9 @@ def _warm(task) -> tuple[str, float, list]:
 
 
 def warm_tasks(shapes, names, device: str = "cuda") -> list:
-    """One task per backend, head dims, mask and regime (the kernels one compile serves), largest first."""
+    """One task per backend, head dims, mask and regime (the kernels one compile serves), in the order the shapes
+    are timed (a compile phase cut short leaves the last ones to compile while timing); torch_varlen, which
+    compiles nothing, last."""
     groups: dict = {}
     for shape in shapes:
         key = shape.key(False)
@@ -197,7 +199,7 @@ def warm_tasks(shapes, names, device: str = "cuda") -> list:
             label = f"{name} {_dims_name(key.head_dim, key.head_dim_v)} {key.mask} {key.regime}"
             groups.setdefault((name, label), []).append(shape)
     tasks = [(name, label, members, device) for (name, label), members in groups.items()]
-    return sorted(tasks, key=lambda t: (t[0] == "torch_varlen", -max(max(s.head_dim, s.head_dim_v) for s in t[2])))
+    return sorted(tasks, key=lambda t: (t[0] == "torch_varlen", shapes.index(t[2][0])))
 
 
 def compile_first(shapes, names, workers: int, seconds: float, log, device: str = "cuda") -> int:
@@ -307,7 +309,8 @@ def write_table(path, arch: str, meta: dict, measurements: list[dict], pending: 
 
 # ------------------------------------------------------------------------------------ the run
 def default_workers() -> int:
-    return max(1, min(12, (os.cpu_count() or 4) - 2))
+    """Compile processes: every core but two (a compile is one busy process), at most 14."""
+    return max(1, min(14, (os.cpu_count() or 4) - 2))
 
 
 def start_clock():
