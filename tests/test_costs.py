@@ -277,13 +277,13 @@ def test_an_empty_table_may_leave_its_meta_blank_but_present():
 def test_triton_times_do_not_apply_where_its_sm90_kernels_are_off(hopper, use_table, monkeypatch):
     """The table measured the triton backend's sm_90 kernels: with them off for every call (PACKATTN_PORTABLE=1
     here) its times do not describe what would run, so the table ranks the others, or the rule decides."""
-    use_table(row({"fa4": 2.0, "triton": 1.0, "sdpa": 3.0}), row({"triton": 1.0}, head_dim=192))
+    use_table(row({"fa4": 2.0, "triton": 1.0, "sdpa": 3.0}), row({"triton": 1.0}, head_dim=192, head_dim_v=128))
     assert dispatch.select(call()).name == "triton"
     monkeypatch.setenv("PACKATTN_PORTABLE", "1")
     assert dispatch.select(call()).name == "fa4"
     reason = dict(dispatch.reasons(call()))["triton"]
     assert reason.startswith("its 1 ms in the cost table row d=128 group 4 long causal fwd+bwd are not what runs "
                              "here: PACKATTN_PORTABLE=1")
-    _, decision = dispatch.decide(call(head_dim=192, head_dim_v=192))  # only triton measured: the rule
+    _, decision = dispatch.decide(call(head_dim=192, head_dim_v=128))  # only triton measured: the rule
     assert decision.choice is None and "times only triton, not what runs here (PACKATTN_PORTABLE=1" in decision.why
-    assert dispatch.select(call(head_dim=192, head_dim_v=192)).name == "triton"
+    assert dispatch.select(call(head_dim=192, head_dim_v=128)).name == "triton"  # (FA4 refuses MLA)

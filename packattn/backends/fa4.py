@@ -47,8 +47,9 @@ class Fa4Backend(Backend):
         why = flash_kernel_unsupported(params)
         if why:
             return why
-        if params.head_dim != params.head_dim_v or params.head_dim not in (64, 96, 128):
-            return f"head dims {params.head_dim}/{params.head_dim_v}: used here for equal q/v head dims 64, 96, 128"
+        if params.head_dim != params.head_dim_v or params.head_dim not in (64, 96, 128, 192, 256):
+            return (f"head dims {params.head_dim}/{params.head_dim_v}: used here for equal q/v head dims 64, 96, 128, "
+                    "192, 256")
         if params.deterministic:
             return "its deterministic backward is not verified here (the triton backend's is)"
         return None

@@ -212,17 +212,18 @@ class GluonBwdConfig:
     warp_specialize: bool
 
 
-# dK/dV: the one-consumer warp-specialised kernel at d = 128 (NOTES.md, v11 and v19); GQA groups of
-# DKDV_GQA_GROUP or more keep the two-consumer one (v19). No Gluon dK/dV at d = 64: the Triton pass runs there.
+# dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
+# DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
 # d = 256: two consumer warp groups split the head dim of one 64-key tile (`dkdv_splits_head_dim`), 32 queries per
 # step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33).
-DKDV_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True), 256: GluonBwdConfig(32, 64, 3, 8, True)}
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4, True), 128: GluonBwdConfig(64, 64, 2, 4, True),
+                256: GluonBwdConfig(32, 64, 3, 8, True)}
 DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
 DKDV_GQA_GROUP = 4
-# dQ: the non-specialised kernel at d = 64, the two-consumer warp-specialised one at d = 128 (NOTES.md, v12/v13);
+# dQ: the two-consumer warp-specialised kernel at d = 64 (128-key steps, NOTES.md v33) and d = 128 (v12/v13);
 # the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
 # delta, 224 KB of shared memory). The dQ tile table follows the config's blocks.
-DQ_CONFIGS = {64: GluonBwdConfig(128, 64, 4, 8, False), 128: GluonBwdConfig(128, 64, 4, 8, True),
+DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8, True), 128: GluonBwdConfig(128, 64, 4, 8, True),
               256: GluonBwdConfig(64, 64, 2, 4, True)}
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
 FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
