@@ -1,4 +1,4 @@
-"""Compile the Gluon Hopper backward kernels (`packattn.ops.varlen.bwd_dkdv_sm90`, `bwd_dq_sm90`, `bwd_sm90`,
+"""Compile the Gluon Hopper backward kernels (`packattn.ops.varlen.bwd_dkdv_sm90`, `bwd_dq_sm90`,
 `packattn.ops.tree.dq_sm90`) for sm_90a on a machine without a GPU, for every mask combination, head dim and
 dtype, and check what matters before a GPU run:
 
@@ -8,20 +8,19 @@ dtype, and check what matters before a GPU run:
   and ``... 1`` (and the TTGIR has ``warp_group_dot_wait {pendings = 2}`` / ``{pendings = 1}``) in a
   loop that also holds the ``ex2`` of P (only the ``1`` waits where the kernel does not carry dS across
   steps);
-* for the warp-specialised kernels, the setmaxnreg budget of each partition against the registers its SASS
-  touches, and the launcher's CTAs per SM against what the compiled shared memory allows.
+* the setmaxnreg budget of each (warp-specialised) partition against the registers its SASS touches, and the
+  launcher's CTAs per SM against what the compiled shared memory allows.
 
     python scripts/check_gluon_bwd_compile.py [--kernels dkdv dq] [--head-dims 64 128] [--dtypes bf16 fp16]
-    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,2,8,ws --masks R   # another config
-    python scripts/check_gluon_bwd_compile.py --kernels dq --config 128,64,4,8           # the non-ws dQ kernel
+    python scripts/check_gluon_bwd_compile.py --kernels dkdv --config 64,128,2,8 --masks R   # another config
     python scripts/check_gluon_bwd_compile.py --dump /tmp/gluon_bwd_asm                  # ttgir / ptx files
     python scripts/check_gluon_bwd_compile.py --tree --head-dims 128    # tree mask: ws dK/dV (TREE) and tree dQ
-    python scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o   # ws dQ with DELTA_FROM_O
+    python scripts/check_gluon_bwd_compile.py --kernels dq --delta-from-o   # dQ with DELTA_FROM_O
 
 The configurations are those of `packattn.ops.varlen.configs` (`dkdv_config`, `dq_config`; ``--short``: the
 short-batch dQ; the tree dQ: `packattn.ops.tree.configs.TREE_DQ_CONFIGS`) unless ``--config``
-(``block_m,block_n,stages,num_warps[,ws]``). Variants without a Gluon kernel (dK/dV at d = 64, where the Triton
-pass runs; the tree and DELTA_FROM_O variants of a config that is not warp-specialised) are reported as skipped.
+(``block_m,block_n,stages,num_warps``). Variants without a Gluon kernel (a head dim without a config, where the
+Triton pass runs) are reported as skipped.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from packattn.ops.tree.launch_sm90 import tree_dq_resources  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.bwd_dkdv_sm90 import varlen_bwd_dkdv_gluon_ws_kernel  # noqa: E402
 from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel  # noqa: E402
-from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dq_gluon_kernel  # noqa: E402
 from packattn.ops.varlen.configs import GluonBwdConfig  # noqa: E402
 from packattn.ops.varlen.launch_sm90 import dkdv_resources, dq_resources  # noqa: E402
 
@@ -109,11 +107,11 @@ def _root_cause(e: BaseException) -> str:
 
 
 def parse_config(text: str) -> GluonBwdConfig:
-    """``"block_m,block_n,stages,num_warps[,ws]"`` as a `GluonBwdConfig`."""
+    """``"block_m,block_n,stages,num_warps"`` as a `GluonBwdConfig`."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if len(parts) not in (4, 5) or parts[4:] not in ([], ["ws"]):
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,ws]")
-    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=len(parts) == 5)
+    if len(parts) != 4 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps")
+    return GluonBwdConfig(*(int(x) for x in parts))
 
 
 def default_config(kernel: str, head_dim: int, tree: bool = False, short: bool = False) -> GluonBwdConfig | None:
@@ -126,8 +124,7 @@ def default_config(kernel: str, head_dim: int, tree: bool = False, short: bool =
 
 
 def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from_o: bool = False) -> dict:
-    """The launcher's register split / occupancy (`ws_split` of its shared-memory estimate) for a warp-specialised
-    variant."""
+    """The launcher's register split / occupancy (`ws_split` of its shared-memory estimate) of a variant."""
     if kernel == "dkdv":
         return dkdv_resources(cfg, head_dim)
     if tree:
@@ -138,32 +135,28 @@ def ws_resources(kernel: str, cfg, head_dim: int, tree: bool = False, delta_from
 def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg, tree: bool = False,
                     delta_from_o: bool = False):
     """``triton.compile`` of one kernel variant as the launchers launch it; ``tree``: the tree-mask variant
-    (warp-specialised configs only; ``mask`` must be ""); ``delta_from_o``: the warp-specialised dQ kernel with
-    ``DELTA_FROM_O`` (an O descriptor of ``BLOCK_M`` rows; without it the ws dQ kernel gets
-    ``DELTA_FROM_O=False`` and ``o_desc=None``, as `launch_sm90.gluon_dq` passes them)."""
+    (``mask`` must be ""); ``delta_from_o``: the varlen dQ kernel with ``DELTA_FROM_O`` (an O descriptor of
+    ``BLOCK_M`` rows; without it the dQ kernel gets ``DELTA_FROM_O=False`` and ``o_desc=None``, as
+    `launch_sm90.gluon_dq` passes them)."""
     dtype = DTYPES[dtype_name]
-    if delta_from_o and (kernel != "dq" or tree or not cfg.warp_specialize):
-        raise ValueError("DELTA_FROM_O is a variant of the warp-specialised dQ kernel")
-    if tree and (mask or not cfg.warp_specialize):
-        raise ValueError("the tree variants are warp-specialised kernels without another mask")
+    if delta_from_o and (kernel != "dq" or tree):
+        raise ValueError("DELTA_FROM_O is a variant of the varlen dQ kernel")
+    if tree and mask:
+        raise ValueError("the tree variants take no other mask")
+    # as `gluon_dkdv` / `gluon_dq` / `gluon_tree_dq` launch it
+    res = ws_resources(kernel, cfg, head_dim, tree, delta_from_o)
+    fn = (varlen_bwd_dkdv_gluon_ws_kernel if kernel == "dkdv" else
+          tree_dq_gluon_ws_kernel if tree else varlen_bwd_dq_gluon_ws_kernel)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
-                      TREE=tree, num_warps=cfg.num_warps)
-    options = {"num_warps": cfg.num_warps, "num_stages": 1}
-    if kernel == "dq" and not cfg.warp_specialize:
-        fn = varlen_bwd_dq_gluon_kernel
-    else:  # as `gluon_dkdv` / `gluon_dq` / `gluon_tree_dq` launch it
-        res = ws_resources(kernel, cfg, head_dim, tree, delta_from_o)
-        fn = (varlen_bwd_dkdv_gluon_ws_kernel if kernel == "dkdv" else
-              tree_dq_gluon_ws_kernel if tree else varlen_bwd_dq_gluon_ws_kernel)
-        constexprs.update(CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-        if fn is varlen_bwd_dkdv_gluon_ws_kernel:  # as `gluon_dkdv` passes it
-            constexprs.update(SPLIT_D=configs.dkdv_splits_head_dim(cfg))
-        if fn is varlen_bwd_dq_gluon_ws_kernel:
-            constexprs.update(DELTA_FROM_O=delta_from_o)
-            if not delta_from_o:
-                constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
-        options.update(num_warps=4, maxnreg=res["maxnreg"])
+                      TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
+    if fn is varlen_bwd_dkdv_gluon_ws_kernel:  # as `gluon_dkdv` passes it
+        constexprs.update(SPLIT_D=configs.dkdv_splits_head_dim(cfg))
+    if fn is varlen_bwd_dq_gluon_ws_kernel:
+        constexprs.update(DELTA_FROM_O=delta_from_o)
+        if not delta_from_o:
+            constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
+    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
     signature = kernel_signature(fn, constexprs, _descriptor_type(dtype, [cfg.block_m, head_dim]),
                                  _descriptor_type(dtype, [cfg.block_n, head_dim]), "*" + dtype_name, INT_POINTERS)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
@@ -222,14 +215,14 @@ def main() -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(configs.GLUON_HEAD_DIMS))
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
-                        help="block_m,block_n,stages,num_warps[,ws] instead of the launchers' configuration, "
-                             "e.g. 64,128,2,8,ws (two-consumer dK/dV) or 128,64,4,8 (non-ws dQ)")
+                        help="block_m,block_n,stages,num_warps instead of the launchers' configuration, "
+                             "e.g. 64,128,2,8 (two-consumer dK/dV) or 64,64,2,4 (one-consumer dQ)")
     parser.add_argument("--short", action="store_true", help="the short-batch dQ configuration")
     parser.add_argument("--dump", default=None, help="directory to write each variant's ttgir / ptx to")
     parser.add_argument("--tree", action="store_true",
-                        help="compile the tree-mask variants (warp-specialised configs) instead of the masks")
+                        help="compile the tree-mask variants instead of the masks")
     parser.add_argument("--delta-from-o", action="store_true",
-                        help="the warp-specialised dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) in the kernel)")
+                        help="the varlen dQ kernel with DELTA_FROM_O (delta = rowsum(dO O) in the kernel)")
     args = parser.parse_args()
     config = parse_config(args.config) if args.config else None
     failures = 0
@@ -242,10 +235,6 @@ def main() -> int:
                     cfg = config or default_config(kernel, head_dim, args.tree, args.short)
                     if cfg is None:
                         print(f"{label}: skipped (no Gluon kernel runs here)", flush=True)
-                        continue
-                    if (args.tree or args.delta_from_o) and not cfg.warp_specialize:
-                        print(f"{label}: skipped (the tree / DELTA_FROM_O variants need a warp-specialised config)",
-                              flush=True)
                         continue
                     if args.delta_from_o and (kernel != "dq" or args.tree):
                         print(f"{label}: skipped (DELTA_FROM_O: the varlen dQ only)", flush=True)
@@ -261,25 +250,22 @@ def main() -> int:
                     shared = compiled.metadata.shared
                     usage, warnings = ptxas_report(compiled.asm["ptx"])
                     # the ws dQ kernel carries dS across steps with >= 3 stages (`bwd_dq_sm90`)
-                    carries = not cfg.warp_specialize or (kernel == "dq" and cfg.stages >= 3)
+                    carries = kernel == "dq" and cfg.stages >= 3
                     ok, detail = overlap_proof(compiled, carries)
                     spills = re.search(r"(\d+) bytes spill stores", usage)
-                    # warp-specialised: (setmaxnreg budget, registers touched, SASS instructions) per partition
-                    regions = sass_register_regions(compiled.asm["cubin"]) if cfg.warp_specialize else []
+                    # (setmaxnreg budget, registers touched, SASS instructions) per partition
+                    regions = sass_register_regions(compiled.asm["cubin"])
                     over = [r for r in regions if r[1] > r[0]]
                     # CTAs per SM: the launcher's (its shared-memory estimate) and what the compiled size allows
-                    occupancy, ctas_off = "", False
-                    if cfg.warp_specialize:
-                        planned = ws_resources(kernel, cfg, head_dim, args.tree, args.delta_from_o)["ctas_per_sm"]
-                        fits = ws_split(cfg.num_warps, shared)["ctas_per_sm"]
-                        ctas_off = fits < planned
-                        occupancy = (f" ctas_per_sm={planned}" + (f" BUT THE COMPILED SIZE FITS {fits}"
-                                                                  if ctas_off else ""))
+                    planned = ws_resources(kernel, cfg, head_dim, args.tree, args.delta_from_o)["ctas_per_sm"]
+                    fits = ws_split(cfg.num_warps, shared)["ctas_per_sm"]
+                    ctas_off = fits < planned
+                    occupancy = f" ctas_per_sm={planned}" + (f" BUT THE COMPILED SIZE FITS {fits}" if ctas_off else "")
                     bad = (shared > SHARED_LIMIT or not ok or bool(warnings) or bool(over) or ctas_off
                            or (spills and int(spills.group(1)) > 0))
                     failures += bool(bad)
                     print(f"{label}: BLOCK_M={cfg.block_m} BLOCK_N={cfg.block_n} STAGES={cfg.stages} "
-                          f"warps={cfg.num_warps}{' ws' if cfg.warp_specialize else ''}"
+                          f"warps={cfg.num_warps}"
                           f"{' DELTA_FROM_O' if args.delta_from_o else ''} shared={shared}"
                           f"{' OVER THE LIMIT' if shared > SHARED_LIMIT else ''}{occupancy} | {usage}", flush=True)
                     print(f"    overlap {'OK' if ok else 'MISSING'}: {detail}", flush=True)
@@ -293,7 +279,6 @@ def main() -> int:
                         os.makedirs(args.dump, exist_ok=True)
                         stem = os.path.join(args.dump, f"{kernel}_{dtype_name}_d{head_dim}_{mask_name or 'none'}_"
                                                        f"m{cfg.block_m}_n{cfg.block_n}_s{cfg.stages}_w{cfg.num_warps}"
-                                                       f"{'_ws' if cfg.warp_specialize else ''}"
                                                        f"{'_delta_from_o' if args.delta_from_o else ''}")
                         for ext in ("ttgir", "ptx"):
                             with open(f"{stem}.{ext}", "w") as f:

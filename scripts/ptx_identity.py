@@ -36,7 +36,6 @@ KERNELS = {
              "varlen_bwd_dkdv_gluon_ws_kernel"),
     "dq_ws": ("packattn.kernels.varlen_bwd_gluon_dq_ws", "packattn.ops.varlen.bwd_dq_sm90",
               "varlen_bwd_dq_gluon_ws_kernel"),
-    "dq": ("packattn.kernels.varlen_bwd_gluon", "packattn.ops.varlen.bwd_sm90", "varlen_bwd_dq_gluon_kernel"),
     "tree_fwd": ("packattn.kernels.tree_fwd_gluon", "packattn.ops.tree.fwd_sm90", "tree_fwd_gluon_kernel"),
     "tree_dq": ("packattn.kernels.tree_dq_gluon_ws", "packattn.ops.tree.dq_sm90", "tree_dq_gluon_ws_kernel"),
 }
@@ -115,11 +114,6 @@ def specs() -> list[dict]:
                     c["o_desc"] = None
                 out.append(dict(group="dq", kernel="dq_ws", constexprs=c, options=o, bm=bm, bn=bn, d=128,
                                 label=f"dq {name}{' delta' if delta else ''} d=128 {bm}x{bn}x{st} {mname}"))
-    # dQ (not warp-specialised, d = 64)
-    for mname, mask in MASKS.items():
-        out.append(dict(group="dq", kernel="dq", label=f"dq non-ws d=64 128x64x4 {mname}",
-                        constexprs=dict(HEAD_DIM=64, BLOCK_M=128, BLOCK_N=64, STAGES=4, **_masks(mask), num_warps=8),
-                        options={"num_warps": 8, "num_stages": 1}, bm=128, bn=64, d=64))
     # tree forward (the varlen forward's default tiles) and tree dQ (the two-consumer dQ tiles, d = 128)
     for d, st in ((64, 4), (128, 3)):
         c, o = _ws(dict(HEAD_DIM=d, BLOCK_M=128, BLOCK_N=128, STAGES=st, DIRECT_STORE=True), 8,

@@ -14,9 +14,8 @@ from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig
 
 
 def _cfg(text: str) -> GluonBwdConfig:
-    """``"block_m,block_n,stages,num_warps[,ws]"`` as a GluonBwdConfig."""
-    parts = text.split(",")
-    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=parts[4:] == ["ws"])
+    """``"block_m,block_n,stages,num_warps"`` as a GluonBwdConfig."""
+    return GluonBwdConfig(*(int(x) for x in text.split(",")))
 
 
 @pytest.mark.parametrize("heads_kv", [1, 2, 3, 4, 6, 8, 16])
@@ -65,9 +64,9 @@ class _RecordingKernel:
 
 
 def _recording(monkeypatch, kind: str) -> _RecordingKernel:
-    from packattn.ops.varlen import bwd_dkdv_sm90, bwd_dq_sm90, bwd_sm90, fwd_sm90
+    from packattn.ops.varlen import bwd_dkdv_sm90, bwd_dq_sm90, fwd_sm90
 
-    module, name = {"dq": (bwd_dq_sm90, "varlen_bwd_dq_gluon_ws_kernel"), "dq_plain": (bwd_sm90, "varlen_bwd_dq_gluon_kernel"),
+    module, name = {"dq": (bwd_dq_sm90, "varlen_bwd_dq_gluon_ws_kernel"),
                     "dkdv": (bwd_dkdv_sm90, "varlen_bwd_dkdv_gluon_ws_kernel"),
                     "fwd": (fwd_sm90, "varlen_fwd_gluon_ws_kernel")}[kind]
     kernel = _RecordingKernel()
@@ -81,7 +80,7 @@ def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d:
     """Launch the dQ or dK/dV pass with config ``text`` on CPU tensors (tile table of ``tiles`` rows) against a
     recording kernel: ``(grid, args, kwargs)``. ``out``: the forward's O (the dQ pass computes delta)."""
     cfg = _cfg(text)
-    kernel = _recording(monkeypatch, kind if kind == "dkdv" or cfg.warp_specialize else "dq_plain")
+    kernel = _recording(monkeypatch, kind)
     rows = 256
     q, dout = (torch.zeros(rows, heads_q, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.zeros(rows, heads_kv, d, dtype=torch.bfloat16) for _ in range(2))
@@ -98,7 +97,7 @@ def _launch_ws(kind: str, text: str, tiles: int, heads_q: int, heads_kv: int, d:
     return kernel.launches[0]
 
 
-@pytest.mark.parametrize("kind,text", [("dq", "128,64,4,8,ws"), ("dkdv", "64,128,2,8,ws"), ("dkdv", "64,64,2,4,ws")])
+@pytest.mark.parametrize("kind,text", [("dq", "128,64,4,8"), ("dkdv", "64,128,2,8"), ("dkdv", "64,64,2,4")])
 @pytest.mark.parametrize("tiles", [1, 3, 256])
 @pytest.mark.parametrize("d", [64, 128])
 def test_ws_backward_grid_is_one_program_per_item(kind, text, tiles, d, monkeypatch):
@@ -160,7 +159,7 @@ def test_descriptor_copies_a_contiguous_but_misaligned_tensor():
     assert sm90._as_tma_tensor(x).data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("text", ["64,64,2,4,ws", "32,64,3,4,ws", "32,64,4,4,ws"])
+@pytest.mark.parametrize("text", ["64,64,2,4", "32,64,3,4", "32,64,4,4"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_one_consumer_dkdv_launches_two_ctas_per_sm(text, d, monkeypatch):
     grid, args, kwargs = _launch_ws("dkdv", text, 5, 32, 8, d, monkeypatch)
@@ -170,7 +169,7 @@ def test_one_consumer_dkdv_launches_two_ctas_per_sm(text, d, monkeypatch):
     assert res["ctas_per_sm"] == 2 and res["consumer_regs"] == 232, res
 
 
-@pytest.mark.parametrize("text", ["64,64,2,8,ws", "64,128,2,4,ws", "16,64,2,4,ws", "32,64,1,4,ws", "64,64,2,4"])
+@pytest.mark.parametrize("text", ["128,64,2,8", "64,128,2,4", "16,64,2,4", "32,64,1,4", "64,96,2,4", "64,32,2,4"])
 def test_dkdv_refuses_bad_configs(text, monkeypatch):
     with pytest.raises(ValueError, match="dK/dV"):
         _launch_ws("dkdv", text, 5, 32, 8, 128, monkeypatch)
@@ -186,7 +185,7 @@ def _gluon_everywhere(monkeypatch):
 def test_dkdv_key_tiles_follow_a_forced_config(monkeypatch):
     _gluon_everywhere(monkeypatch)
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
-    with configs.override(dkdv=_cfg("32,64,3,4,ws")):
+    with configs.override(dkdv=_cfg("32,64,3,4")):
         assert op.bwd_plan(q, q, q).dkdv_choice == (64, 32, True)
 
 
@@ -200,11 +199,11 @@ def test_dkdv_default_by_gqa_group(heads, blocks, monkeypatch):
     k = torch.zeros(8, heads[1], 128, dtype=torch.bfloat16)
     plan = op.bwd_plan(q, k, k)
     assert plan.dkdv_choice == (*blocks, True)
-    assert (plan.dkdv.block_n, plan.dkdv.block_m) == blocks and plan.dkdv.warp_specialize
+    assert (plan.dkdv.block_n, plan.dkdv.block_m) == blocks
 
 
-@pytest.mark.parametrize("text,d", [("64,64,2,4,ws", 128), ("64,64,2,4,ws", 64), ("64,64,3,4,ws", 64),
-                                    ("64,64,4,4,ws", 64), ("64,128,2,4,ws", 64)])
+@pytest.mark.parametrize("text,d", [("64,64,2,4", 128), ("64,64,2,4", 64), ("64,64,3,4", 64),
+                                    ("64,64,4,4", 64), ("64,128,2,4", 64)])
 def test_one_consumer_dq_launches_two_ctas_per_sm(text, d, monkeypatch):
     # one program per (64-query tile, query head): 5 tiles x 32 query heads
     grid, args, kwargs = _launch_ws("dq", text, 5, 32, 8, d, monkeypatch)
@@ -221,29 +220,42 @@ def test_one_consumer_dq_launches_two_ctas_per_sm(text, d, monkeypatch):
     assert launch_sm90.dq_shared_bytes(cfg, d) <= 113 * 1024
 
 
-def test_non_specialised_dq_launch(monkeypatch):
-    """d = 64 runs the non-specialised Gluon dQ: one program per (128-query tile, query head), 8 warps."""
-    assert configs.DQ_CONFIGS[64] == _cfg("128,64,4,8")
-    grid, args, kwargs = _launch_ws("dq", "128,64,4,8", 5, 32, 8, 64, monkeypatch)
-    assert grid == (160,) and kwargs["num_warps"] == 8 and "DELTA_FROM_O" not in kwargs
-    assert args[-3:] == (-1, 0, 0)  # the mask scalars: causal = no left bound, right 0, no chunk
+@pytest.mark.parametrize("with_out", [False, True])
+def test_d64_dq_runs_two_consumers_over_128_key_steps(with_out, monkeypatch):
+    """d = 64 runs the two-consumer dQ over 128-key steps: one program per (128-query tile, query head), the
+    consumers' 8 warps plus the producer's warp group, computing delta where it gets O."""
+    cfg = configs.DQ_CONFIGS[64]
+    assert cfg == _cfg("128,128,2,8") and configs.dq_config(64, short_seqs=True) == cfg
+    out = torch.full((256, 32, 64), 3.0, dtype=torch.bfloat16) if with_out else None
+    grid, args, kwargs = _launch_ws("dq", "128,128,2,8", 5, 32, 8, 64, monkeypatch, out=out)
+    assert grid == (160,) and args[-1] == 160 and kwargs["num_warps"] == 4
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["STAGES"], kwargs["HEAD_DIM"]) == (128, 128, 2, 64)
+    assert args[-5:-2] == (-1, 0, 0)  # the mask scalars (causal: no left bound, right 0, no chunk), section, items
+    q_desc, k_desc, _, do_desc, o_desc = args[:5]
+    assert list(q_desc.block_shape) == list(do_desc.block_shape) == list(k_desc.block_shape) == [128, 64]
+    assert kwargs["DELTA_FROM_O"] is with_out and (o_desc is None) is not with_out
+    # Q, dO (and O) of 128 rows and two 128-key (K, V) slots at d = 64: one CTA per SM, 240 registers a consumer
+    res = launch_sm90.dq_resources(cfg, 64, with_out)
+    assert launch_sm90.dq_shared_bytes(cfg, 64, delta_from_o=with_out) == (
+        ((3 if with_out else 2) * 128 + 2 * 2 * 128) * 64 * 2 + 8 * (2 + 2 * 2))
+    assert (res["ctas_per_sm"], res["consumer_regs"]) == (1, 240) and kwargs["maxnreg"] == res["maxnreg"]
 
 
 def test_one_consumer_dq_shared_memory_and_resources():
     # d = 128: Q + dO of 64 rows 32 KB, each (K, V) slot of 64 keys 32 KB, one q_bar (no zero_bar), 2 x stages ring
-    cfg = _cfg("64,64,2,4,ws")
+    cfg = _cfg("64,64,2,4")
     assert launch_sm90.dq_shared_bytes(cfg, 128) == 96 * 1024 + 8 * (1 + 2 * 2)
     # 3 stages (128 KB) do not fit two CTAs: one CTA per SM, ws_split gives the consumer the whole 256
-    res = launch_sm90.dq_resources(_cfg("64,64,3,4,ws"), 128)
+    res = launch_sm90.dq_resources(_cfg("64,64,3,4"), 128)
     assert res["ctas_per_sm"] == 1 and res["maxnreg"] == 256 and res["consumer_regs"] == 256, res
     # the two-consumer numbers (also the tree dQ's base): q_bar + zero_bar + 2 x stages ring
-    assert launch_sm90.dq_shared_bytes(_cfg("128,64,4,8,ws"), 128) == 192 * 1024 + 8 * (2 + 2 * 4)
-    res = launch_sm90.dq_resources(_cfg("128,64,4,8,ws"), 128)
+    assert launch_sm90.dq_shared_bytes(_cfg("128,64,4,8"), 128) == 192 * 1024 + 8 * (2 + 2 * 4)
+    res = launch_sm90.dq_resources(_cfg("128,64,4,8"), 128)
     assert (res["ctas_per_sm"], res["warps"], res["maxnreg"], res["consumer_regs"]) == (1, 12, 168, 240)
 
 
-@pytest.mark.parametrize("text", ["64,64,2,8,ws", "128,64,2,4,ws", "32,64,2,4,ws", "64,32,2,4,ws", "64,64,1,4,ws",
-                                  "128,32,4,8,ws"])
+@pytest.mark.parametrize("text", ["64,64,2,8", "128,64,2,4", "32,64,2,4", "64,32,2,4", "64,64,1,4",
+                                  "128,32,4,8"])
 def test_dq_refuses_bad_configs(text, monkeypatch):
     with pytest.raises(ValueError, match="dQ"):
         _launch_ws("dq", text, 5, 32, 8, 128, monkeypatch)
@@ -254,26 +266,29 @@ def test_dq_refuses_bad_configs(text, monkeypatch):
             pass
 
 
-def test_dq_tables_are_valid_and_one_consumer_ones_fit_two_ctas():
+def test_dq_tables_are_valid_and_every_config_computes_delta_within_a_cta():
+    """Every table config is one the dQ kernel takes and fits one CTA's shared memory with O (the backward
+    always lets the Gluon dQ compute delta, `op.fuses_delta`); the one-consumer ones up to d = 128 fit two."""
     for table in (configs.DQ_CONFIGS, configs.DQ_SHORT_CONFIGS):
         for d, cfg in table.items():
             configs.check_dq_config(cfg)
-            if cfg.warp_specialize and cfg.block_m == 64:
-                assert launch_sm90.dq_resources(cfg, d)["ctas_per_sm"] == 2, (d, cfg)
-    assert all(cfg.block_m == 128 for cfg in configs.DQ_CONFIGS.values())
-    assert configs.DQ_SHORT_CONFIGS[128] == _cfg("64,64,2,4,ws")
+            assert launch_sm90.dq_shared_bytes(cfg, d, delta_from_o=True) <= 232448, (d, cfg)
+            if cfg.block_m == 64 and d <= 128:
+                assert launch_sm90.dq_resources(cfg, d, True)["ctas_per_sm"] == 2, (d, cfg)
+    assert configs.DQ_CONFIGS == {64: _cfg("128,128,2,8"), 128: _cfg("128,64,4,8"), 256: _cfg("64,64,2,4")}
+    assert configs.DQ_SHORT_CONFIGS == {128: _cfg("64,64,2,4")}
 
 
 def test_dq_query_tiles_follow_a_forced_config(monkeypatch):
     _gluon_everywhere(monkeypatch)
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
-    with configs.override(dq=_cfg("64,64,2,4,ws")):
+    with configs.override(dq=_cfg("64,64,2,4")):
         assert op.bwd_plan(q, q, q).dq_choice == (64, 64, True)
-        assert configs.dq_config(128) == _cfg("64,64,2,4,ws")
+        assert configs.dq_config(128) == _cfg("64,64,2,4")
 
 
 # ---------------------------------------------------------------- delta from O (warp-specialised dQ)
-@pytest.mark.parametrize("text,d", [("64,64,2,4,ws", 128), ("64,64,2,4,ws", 64), ("128,64,4,8,ws", 128)])
+@pytest.mark.parametrize("text,d", [("64,64,2,4", 128), ("64,64,2,4", 64), ("128,64,4,8", 128)])
 def test_dq_ws_launch_without_out_passes_no_o_descriptor(text, d, monkeypatch):
     """Without O: ``DELTA_FROM_O=False`` and ``o_desc=None`` (a Triton constant: no kernel parameter)."""
     _, args, kwargs = _launch_ws("dq", text, 5, 32, 8, d, monkeypatch)
@@ -286,7 +301,7 @@ def test_dq_ws_launch_without_out_passes_no_o_descriptor(text, d, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_delta_from_o_launch_passes_an_o_descriptor(d, monkeypatch):
     out = torch.full((256, 32, d), 3.0, dtype=torch.bfloat16)
-    grid, args, kwargs = _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, d, monkeypatch, out=out)
+    grid, args, kwargs = _launch_ws("dq", "64,64,2,4", 5, 32, 8, d, monkeypatch, out=out)
     assert kwargs["DELTA_FROM_O"] is True
     do_desc, o_desc = args[3:5]
     assert o_desc.base is out  # O itself (contiguous, aligned: no copy), not dO
@@ -294,14 +309,14 @@ def test_dq_delta_from_o_launch_passes_an_o_descriptor(d, monkeypatch):
     assert o_desc.shape == do_desc.shape == [256, 32 * d] and o_desc.layout == do_desc.layout
     assert grid == (160,) and args[-1] == 160
     # the O tile (16 KB at d = 128) still leaves two CTAs per SM and the register split of the kernel without it
-    res = launch_sm90.dq_resources(_cfg("64,64,2,4,ws"), d, True)
-    assert res == launch_sm90.dq_resources(_cfg("64,64,2,4,ws"), d)
+    res = launch_sm90.dq_resources(_cfg("64,64,2,4"), d, True)
+    assert res == launch_sm90.dq_resources(_cfg("64,64,2,4"), d)
     assert res["ctas_per_sm"] == 2 and kwargs["maxnreg"] == res["maxnreg"] == 128
     assert kwargs["CONSUMER_REGS"] == 232 and kwargs["PRODUCER_REGS"] == 24
 
 
 def test_dq_delta_from_o_shared_memory():
-    cfg = _cfg("64,64,2,4,ws")
+    cfg = _cfg("64,64,2,4")
     # Q + dO + O of 64 rows (48 KB at d = 128), two (K, V) slots of 64 keys (64 KB), q_bar + the ring's 4 barriers
     assert launch_sm90.dq_shared_bytes(cfg, 128, delta_from_o=True) == 112 * 1024 + 8 * (1 + 2 * 2)
     assert (launch_sm90.dq_shared_bytes(cfg, 128, delta_from_o=True) - launch_sm90.dq_shared_bytes(cfg, 128)
@@ -312,15 +327,7 @@ def test_dq_delta_from_o_shared_memory():
     assert sm90.ws_split(4, 114940)["ctas_per_sm"] == 2
 
 
-def test_dq_delta_from_o_refuses_the_non_specialised_kernel(monkeypatch):
-    out = torch.zeros(256, 32, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="warp-specialised dQ config"):
-        _launch_ws("dq", "128,64,4,8", 5, 32, 8, 128, monkeypatch, out=out)
-    assert not configs.dq_computes_delta(_cfg("128,64,4,8")) and not configs.dq_computes_delta(None)
-    assert configs.dq_computes_delta(configs.DQ_SHORT_CONFIGS[128]) and configs.dq_computes_delta(configs.DQ_CONFIGS[128])
-
-
-@pytest.mark.parametrize("text", ["128,64,4,8,ws", "128,128,2,8,ws", "128,64,3,8,ws"])
+@pytest.mark.parametrize("text", ["128,64,4,8", "128,128,2,8", "128,64,3,8"])
 def test_two_consumer_dq_delta_from_o_launch(text, monkeypatch):
     """Two consumer warp groups compute delta too: an O descriptor of the tile's 128 rows, one CTA per SM (the O
     tile fits beside 4 stages of 64 keys at d = 128)."""
@@ -335,12 +342,11 @@ def test_two_consumer_dq_delta_from_o_launch(text, monkeypatch):
     # (128, 64, 4 stages) with O: 229456 B estimated, under the 232448 B a CTA may take
     assert launch_sm90.dq_shared_bytes(cfg, 128, delta_from_o=True) <= 229456
     assert launch_sm90.dq_resources(cfg, 128, True)["ctas_per_sm"] == 1
-    assert configs.dq_computes_delta(cfg)
 
 
 def test_dq_delta_from_o_needs_a_matching_out_and_a_writable_delta(monkeypatch):
     with pytest.raises(ValueError, match="out"):  # O shaped like dO
-        _launch_ws("dq", "64,64,2,4,ws", 5, 32, 8, 128, monkeypatch,
+        _launch_ws("dq", "64,64,2,4", 5, 32, 8, 128, monkeypatch,
                    out=torch.zeros(256, 32, 64, dtype=torch.bfloat16))
     kernel = _recording(monkeypatch, "dq")
     q = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
@@ -349,5 +355,5 @@ def test_dq_delta_from_o_needs_a_matching_out_and_a_writable_delta(monkeypatch):
     seq_args = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(4))
     with pytest.raises(ValueError, match="contiguous"):
         launch_sm90.gluon_dq(q, q, q, q, lse, delta, torch.empty_like(q), torch.zeros(5, 6, dtype=torch.int32),
-                             seq_args, 0.1, Mask.make(True), _cfg("64,64,2,4,ws"), out=q)
+                             seq_args, 0.1, Mask.make(True), _cfg("64,64,2,4"), out=q)
     assert kernel.launches == []

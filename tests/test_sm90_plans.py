@@ -186,7 +186,7 @@ def test_tree_dq_blocks_pinned(hopper, monkeypatch, d, gluon):
     cfg = tree_configs.tree_dq_config(*qkv)
     assert (cfg is not None) is gluon
     if gluon:
-        assert cfg == configs.GluonBwdConfig(128, 64, 4, 8, True)
+        assert cfg == configs.GluonBwdConfig(128, 64, 4, 8)
     assert tree_configs.dq_blocks(*qkv) == (128, 64)
     monkeypatch.setenv("PACKATTN_PORTABLE", "1")
     assert tree_configs.tree_dq_config(*qkv) is None

@@ -181,22 +181,28 @@ def test_override_replaces_tables_and_restores_them():
         assert configs.config_for(128) == configs.config_for(64, long_seqs=True) == forced
         assert configs.GLUON_MIN_SEQLEN == 512 and configs.heads_per_section(8, 1) == 4
     assert (configs.config_for(128), configs.GLUON_MIN_SEQLEN, configs.heads_per_section(8, 1)) == before
-    with configs.override(dq=configs.GluonBwdConfig(64, 64, 2, 4, True), DKDV_CONFIGS={}):
-        assert configs.dq_config(128) == configs.GluonBwdConfig(64, 64, 2, 4, True)
+    with configs.override(dq=configs.GluonBwdConfig(64, 64, 2, 4), DKDV_CONFIGS={}):
+        assert configs.dq_config(128) == configs.GluonBwdConfig(64, 64, 2, 4)
         assert configs.dkdv_config(128) is None
     assert configs.dkdv_config(128) == configs.DKDV_CONFIGS[128]
     with pytest.raises(ValueError, match="no table or threshold"):
         with configs.override(GLUON_MIN_SEQ=1):
             pass
     with pytest.raises(ValueError, match="dK/dV kernel"):
-        with configs.override(dkdv=configs.GluonBwdConfig(64, 96, 2, 4, True)):
+        with configs.override(dkdv=configs.GluonBwdConfig(64, 96, 2, 4)):
             pass
     assert configs.FORCE_DKDV is None
 
 
-def test_no_gluon_dkdv_at_head_dim_64():
-    """At d = 64 the Triton dK/dV pass runs (no Gluon dK/dV there, whatever the GQA group); the Gluon dQ is the
-    non-specialised kernel."""
-    assert configs.dkdv_config(64) is None and configs.dkdv_config(64, group=8) is None
-    assert configs.dkdv_config(128, group=8) == configs.DKDV_GQA_CONFIGS[128]
-    assert not configs.dq_config(64).warp_specialize and not configs.dq_computes_delta(configs.dq_config(64))
+def test_gluon_backward_at_head_dim_64(monkeypatch):
+    """At d = 64 both backward passes are the Gluon ones: the one-consumer dK/dV (64 x 64, 2 stages, whatever the
+    GQA group) and the two-consumer dQ over 128-key steps (short batches too), which computes delta (no
+    preprocess)."""
+    assert configs.dkdv_config(64) == configs.dkdv_config(64, group=8) == configs.GluonBwdConfig(64, 64, 2, 4)
+    assert configs.dkdv_config(128, group=8) == configs.DKDV_GQA_CONFIGS[128] != configs.dkdv_config(128)
+    assert configs.dq_config(64) == configs.dq_config(64, short_seqs=True) == configs.GluonBwdConfig(128, 128, 2, 8)
+    monkeypatch.setattr(op, "sm90_runs", lambda q, k, v, tma, head_dims, dtypes: True)
+    q = torch.zeros(8, 8, 64, dtype=torch.bfloat16)
+    plan = op.bwd_plan(q, q[:, :1], q[:, :1])
+    assert (plan.dkdv, plan.dq) == (configs.dkdv_config(64), configs.dq_config(64))
+    assert op.fuses_delta(plan, None) and not op.fuses_delta(plan, torch.zeros(8, 8))

@@ -125,22 +125,20 @@ class _Recorder:
 
 
 def _cfg(text):
-    """``"block_m,block_n,stages,num_warps[,ws]"`` as a GluonBwdConfig (None for None: the Triton pass)."""
+    """``"block_m,block_n,stages,num_warps"`` as a GluonBwdConfig (None for None: the Triton pass)."""
     if text is None:
         return None
-    parts = text.split(",")
-    return GluonBwdConfig(*(int(x) for x in parts[:4]), warp_specialize=parts[4:] == ["ws"])
+    return GluonBwdConfig(*(int(x) for x in text.split(",")))
 
 
 def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=False):
     """`_varlen_bwd_planned` with a plan of these Gluon configs (None: the Triton pass) on CPU tensors,
     every kernel replaced by a recorder: ``(plan, out, launches)``, launches in order."""
-    from packattn.ops.varlen import bwd_dkdv_sm90, bwd_dq_sm90, bwd_sm90, bwd_triton
+    from packattn.ops.varlen import bwd_dkdv_sm90, bwd_dq_sm90, bwd_triton
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     log = []
     for module, name, label in ((bwd_dq_sm90, "varlen_bwd_dq_gluon_ws_kernel", "dq"),
-                                (bwd_sm90, "varlen_bwd_dq_gluon_kernel", "dq"),
                                 (bwd_dkdv_sm90, "varlen_bwd_dkdv_gluon_ws_kernel", "dkdv"),
                                 (bwd_triton, "bwd_dq_kernel", "dq"), (bwd_triton, "bwd_dkdv_kernel", "dkdv"),
                                 (bwd_triton, "bwd_preprocess_kernel", "preprocess")):
@@ -164,9 +162,9 @@ def _planned_launches(monkeypatch, dkdv_text, dq_text, with_dlse, short_seqs=Fal
 def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fused):
     """A plan for a batch of short sequences hands both warp-specialised passes the short work order
     (`configs.SHORT_HEAD_SECTION` kv-head groups per section), others the default one."""
-    dq = "64,64,2,4,ws" if fused else "128,64,4,8,ws"
+    dq = "64,64,2,4" if fused else "128,64,4,8"
     for short, groups in ((False, configs.HEAD_SECTION), (True, configs.SHORT_HEAD_SECTION)):
-        _, _, _, log = _planned_launches(monkeypatch, "64,64,2,4,ws", dq, False, short_seqs=short)
+        _, _, _, log = _planned_launches(monkeypatch, "64,64,2,4", dq, False, short_seqs=short)
         sections = {name: args[-2] for name, args, _ in log if name in ("dq", "dkdv")}
         assert sections == {"dq": groups, "dkdv": groups}  # MHA: kv-head groups == heads
 
@@ -174,8 +172,8 @@ def test_short_batches_run_the_backward_in_their_head_sections(monkeypatch, fuse
 def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     """One-consumer WS dQ (the d = 128 short-sequence config), Gluon dK/dV, no dlse: no preprocess; the dQ
     pass (DELTA_FROM_O, an O descriptor) writes a zero-initialised delta that the dK/dV pass then reads."""
-    assert configs.DQ_SHORT_CONFIGS[128] == _cfg("64,64,2,4,ws")
-    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "64,64,2,4,ws", False)
+    assert configs.DQ_SHORT_CONFIGS[128] == _cfg("64,64,2,4")
+    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4", "64,64,2,4", False)
     assert op.fuses_delta(plan, None)
     assert [name for name, _, _ in log] == ["dq", "dkdv"]
     (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
@@ -187,27 +185,29 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(monkeypatch):
     assert torch.equal(delta, torch.zeros_like(lse))  # zeros: rows no dQ tile writes are read with P = 0
 
 
-def test_two_consumer_dq_fuses_delta(monkeypatch):
-    """The two-consumer WS dQ (the long-batch default at d = 128) computes delta too: the backward runs as the
-    one-consumer fused one: dQ first with DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
-    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", False)
+@pytest.mark.parametrize("dq", ["128,64,4,8", "128,128,2,8"])  # the long-batch defaults at d = 128 and d = 64
+def test_two_consumer_dq_fuses_delta(monkeypatch, dq):
+    """The two-consumer WS dQ computes delta too: the backward runs as the one-consumer fused one: dQ first with
+    DELTA_FROM_O and an O descriptor of its 128-row tiles, no preprocess."""
+    plan, out, lse, log = _planned_launches(monkeypatch, "64,64,2,4", dq, False)
     assert op.fuses_delta(plan, None)
     assert [name for name, _, _ in log] == ["dq", "dkdv"]
     (_, dq_args, dq_kwargs), (_, dkdv_args, _) = log
     assert dq_kwargs["DELTA_FROM_O"] is True and dq_kwargs["BLOCK_M"] == 128 and "PERSISTENT" not in dq_kwargs
+    assert dq_kwargs["BLOCK_N"] == _cfg(dq).block_n
     assert dq_args[4].base is out and list(dq_args[4].block_shape) == [128, 128]
     assert dkdv_args[5] is dq_args[6] and torch.equal(dq_args[6], torch.zeros_like(lse))
     # a dlse term cannot be folded in
-    plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4,ws", "128,64,4,8,ws", True)
+    plan, _, lse, _ = _planned_launches(monkeypatch, "64,64,2,4", dq, True)
     assert not op.fuses_delta(plan, lse)
 
 
 @pytest.mark.parametrize("dkdv,dq,with_dlse", [
-    ("64,64,2,4,ws", "64,64,2,4,ws", True),      # dlse: its term stays in the preprocess
-    ("64,128,2,8,ws", "128,64,4,8,ws", True),
-    ("64,64,2,4,ws", "128,64,4,8", False),       # the non-specialised dQ (d = 64) cannot compute delta
-    (None, "64,64,2,4,ws", False),               # Triton dK/dV pass
-    ("64,64,2,4,ws", None, False),               # Triton dQ pass
+    ("64,64,2,4", "64,64,2,4", True),      # dlse: its term stays in the preprocess
+    ("64,128,2,8", "128,64,4,8", True),
+    ("64,64,2,4", "128,128,2,8", True),
+    (None, "64,64,2,4", False),            # Triton dK/dV pass
+    ("64,64,2,4", None, False),            # Triton dQ pass
 ])
 def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
     plan, _, lse, log = _planned_launches(monkeypatch, dkdv, dq, with_dlse)
@@ -218,10 +218,10 @@ def test_other_plans_keep_preprocess_dkdv_dq(monkeypatch, dkdv, dq, with_dlse):
     delta = pre_args[4]  # (Out, dOut, Lse, dLse, Delta, ...)
     assert any(a is delta for a in dkdv_args) and any(a is delta for a in dq_args)
     assert dq_kwargs.get("DELTA_FROM_O", False) is False
-    if "DELTA_FROM_O" in dq_kwargs:  # the WS dQ kernel (two consumers or one) without it: no O descriptor
-        assert dq_args[4] is None
-    else:  # the Triton dQ pass or the non-specialised Gluon one
-        assert dq is None or not _cfg(dq).warp_specialize
+    if dq is not None:  # the Gluon dQ kernel (two consumers or one) without DELTA_FROM_O: no O descriptor
+        assert "DELTA_FROM_O" in dq_kwargs and dq_args[4] is None
+    else:  # the Triton dQ pass
+        assert "DELTA_FROM_O" not in dq_kwargs
 
 
 @pytest.mark.parametrize("opts", SELF_MASKS, ids=lambda o: Mask.make(**o).describe())

@@ -31,7 +31,7 @@ def test_plan_takes_the_gluon_kernels_at_256():
     assert options[op.FWD_OPTIONS.index("gluon")]
     plan = op.bwd_plan(q, k, v)
     assert plan.dkdv is not None and configs.dkdv_splits_head_dim(plan.dkdv)
-    assert plan.dq is not None and plan.dq.warp_specialize
+    assert plan.dq == configs.DQ_CONFIGS[256] and op.fuses_delta(plan, None)
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
@@ -47,7 +47,7 @@ def test_d256_long_documents(dtype):
     check_against_reference(*inputs(seqs, 16, 4, 256, dtype), seqs, causal=True)
 
 
-@pytest.mark.parametrize("cfg", [configs.GluonBwdConfig(64, 64, 2, 8, True), configs.GluonBwdConfig(32, 64, 2, 8, True)],
+@pytest.mark.parametrize("cfg", [configs.GluonBwdConfig(64, 64, 2, 8), configs.GluonBwdConfig(32, 64, 2, 8)],
                          ids=["64x64x2", "32x64x2"])
 def test_d256_split_dkdv_configs(cfg):
     """Other blocks of the head-dim-splitting dK/dV give the reference's gradients."""

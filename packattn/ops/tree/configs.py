@@ -32,7 +32,7 @@ GLUON_DTYPES = (torch.float16, torch.bfloat16)
 # The tree forward takes the varlen forward's tiles (NOTES.md, v14): 128 x 128, 4 / 3 stages at d = 64 / 128.
 TREE_FWD_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
 # The tree dQ: two consumer warp groups over 128 x 64 tiles at d = 128 (NOTES.md, v14); the Triton one at d = 64.
-TREE_DQ_CONFIGS = {128: GluonBwdConfig(128, 64, 4, 8, True)}
+TREE_DQ_CONFIGS = {128: GluonBwdConfig(128, 64, 4, 8)}
 
 
 def tree_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> GluonConfig | None:
@@ -78,8 +78,6 @@ def _check_tables() -> None:
         raise ValueError(f"TREE_DQ_CONFIGS has head dims {sorted(TREE_DQ_CONFIGS)} outside GLUON_HEAD_DIMS")
     for cfg in TREE_DQ_CONFIGS.values():
         check_dq_config(cfg)
-        if not cfg.warp_specialize:
-            raise ValueError(f"{cfg}: the tree dQ kernel is warp-specialised")
 
 
 _check_tables()

@@ -6,9 +6,9 @@
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
 * the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
   `SHORT_TRIM_CONFIGS` elsewhere; it runs from `GLUON_MIN_SEQLEN` rows;
-* the sm_90 Gluon backward: `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from `DKDV_GQA_GROUP`; none at
-  d = 64, where the Triton dK/dV runs) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); a warp-specialised
-  dQ computes delta itself (`dq_computes_delta`);
+* the sm_90 Gluon backward (warp-specialised kernels): `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from
+  `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself
+  (`packattn.ops.varlen.op.fuses_delta`);
 * batch length classes: `LONG_SEQLEN`, and `SHORT_SEQLEN` (`packattn.lengths`, shared with dispatch);
 * the Gluon kernels' work order: `heads_per_section` (`HEAD_SECTION`, `SHORT_HEAD_SECTION`).
 
@@ -200,32 +200,31 @@ def heads_per_section(heads_q: int, group_size: int, short_seqs: bool = False) -
 # ---------------------------------------------------------------- Gluon backward (sm_90)
 @dataclass(frozen=True)
 class GluonBwdConfig:
-    """A configuration of a Gluon backward pass. dK/dV (always warp-specialised): ``block_n`` keys per tile
-    (one consumer warp group per 64), ``block_m`` queries per ring step. dQ: ``block_m`` queries per tile,
-    ``block_n`` keys per step; warp-specialised (one consumer warp group per 64 queries; it also computes
-    delta, `dq_computes_delta`) or not (`packattn.ops.varlen.bwd_sm90`, 8 warps)."""
+    """A configuration of a warp-specialised Gluon backward pass. dK/dV: ``block_n`` keys per tile (one consumer
+    warp group per 64, or two splitting the head dim: `dkdv_splits_head_dim`), ``block_m`` queries per ring step.
+    dQ: ``block_m`` queries per tile (one consumer warp group per 64), ``block_n`` keys per step; it can compute
+    delta itself (`launch_sm90.gluon_dq` with ``out``)."""
 
     block_m: int
     block_n: int
     stages: int  # ring slots
-    num_warps: int  # (warp_specialize: the consumer warps; the launch adds the producer warp)
-    warp_specialize: bool
+    num_warps: int  # the consumer warps; the launch adds the producer warp
 
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
 # d = 256: two consumer warp groups split the head dim of one 64-key tile (`dkdv_splits_head_dim`), 32 queries per
 # step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33).
-DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4, True), 128: GluonBwdConfig(64, 64, 2, 4, True),
-                256: GluonBwdConfig(32, 64, 3, 8, True)}
-DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8, True)}
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4), 128: GluonBwdConfig(64, 64, 2, 4),
+                256: GluonBwdConfig(32, 64, 3, 8)}
+DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_GROUP = 4
 # dQ: the two-consumer warp-specialised kernel at d = 64 (128-key steps, NOTES.md v33) and d = 128 (v12/v13);
 # the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
 # delta, 224 KB of shared memory). The dQ tile table follows the config's blocks.
-DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8, True), 128: GluonBwdConfig(128, 64, 4, 8, True),
-              256: GluonBwdConfig(64, 64, 2, 4, True)}
-DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4, True)}
+DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8), 128: GluonBwdConfig(128, 64, 4, 8),
+              256: GluonBwdConfig(64, 64, 2, 4)}
+DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4)}
 FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
 FORCE_DQ: GluonBwdConfig | None = None  # `override(dq=...)`: the config of every Gluon dQ pass
 
@@ -250,23 +249,16 @@ def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
     return DQ_CONFIGS[head_dim]
 
 
-def dq_computes_delta(cfg: GluonBwdConfig | None) -> bool:
-    """Does the dQ pass of ``cfg`` compute delta = rowsum(dO * O) itself (the warp-specialised kernel's
-    DELTA_FROM_O), so the backward drops its preprocess (NOTES.md, v21 and v30)?"""
-    return cfg is not None and cfg.warp_specialize
-
-
 def check_dkdv_config(cfg: GluonBwdConfig) -> None:
     """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
     (block_n 128, num_warps 8), one (block_n 64, num_warps 4), or two splitting the head dim of one 64-key tile
     (block_n 64, num_warps 8: `dkdv_splits_head_dim`), 32 or 64 queries per step, >= 2 stages."""
     two = (cfg.block_n, cfg.num_warps) == (128, 8)
     one = (cfg.block_n, cfg.num_warps) == (64, 4)
-    if (not cfg.warp_specialize or not (one or two or dkdv_splits_head_dim(cfg)) or cfg.block_m not in (32, 64)
-            or cfg.stages < 2):
+    if not (one or two or dkdv_splits_head_dim(cfg)) or cfg.block_m not in (32, 64) or cfg.stages < 2:
         raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_m 32 / 64, stages >= 2 and "
                          "block_n 128 with num_warps 8 (two consumer warp groups), block_n 64 with num_warps 4 "
-                         "(one) or block_n 64 with num_warps 8 (two, splitting the head dim), warp_specialize")
+                         "(one) or block_n 64 with num_warps 8 (two, splitting the head dim)")
 
 
 def dkdv_splits_head_dim(cfg: GluonBwdConfig) -> bool:
@@ -277,13 +269,8 @@ def dkdv_splits_head_dim(cfg: GluonBwdConfig) -> bool:
 
 
 def check_dq_config(cfg: GluonBwdConfig) -> None:
-    """Raise ValueError unless a dQ kernel takes ``cfg``: warp-specialised with two consumer warp groups
-    (block_m 128, num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages; or the
-    non-specialised kernel (block_m == 16 * num_warps)."""
-    if not cfg.warp_specialize:
-        if cfg.block_m != 16 * cfg.num_warps or cfg.stages < 2:
-            raise ValueError(f"{cfg}: the dQ kernel takes block_m == 16 * num_warps and stages >= 2")
-        return
+    """Raise ValueError unless the warp-specialised dQ kernel takes ``cfg``: two consumer warp groups (block_m 128,
+    num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages."""
     two = (cfg.block_m, cfg.num_warps) == (128, 8)
     one = (cfg.block_m, cfg.num_warps) == (64, 4)
     if not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:

@@ -1,6 +1,6 @@
 """Launchers of the sm_90 Gluon varlen kernels: the warp-specialised forward (`gluon_fwd`,
 `packattn.ops.varlen.fwd_sm90`), dK/dV (`gluon_dkdv`, `packattn.ops.varlen.bwd_dkdv_sm90`) and dQ
-(`gluon_dq`: `packattn.ops.varlen.bwd_dq_sm90`, or the non-specialised `packattn.ops.varlen.bwd_sm90`).
+(`gluon_dq`, `packattn.ops.varlen.bwd_dq_sm90`).
 
 They take what the Triton launchers take (`packattn.ops.varlen.launch_triton`) with TMA descriptors
 (`packattn.ops.runtime.sm90`) in place of raw pointers for q, k, v, dout (and O), plus the config the
@@ -20,7 +20,7 @@ from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
 from packattn.ops.runtime.sm90 import _descriptor, ws_grid, ws_split
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
-                                         dkdv_splits_head_dim, dq_computes_delta, heads_per_section)
+                                         dkdv_splits_head_dim, heads_per_section)
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -133,15 +133,13 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
 
 def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
              short_seqs: bool = False, out: torch.Tensor | None = None) -> None:
-    """dQ pass, one program per (query tile, query head): ``tiles`` built with ``cfg.block_m`` queries per
-    tile and ``cfg.block_n`` keys per step. With ``out`` (the forward's O; a config that `dq_computes_delta`)
-    the kernel computes delta = rowsum(dO * O) itself and WRITES it into ``delta`` (float32, lse's shape,
-    contiguous) on the rows of tiles with key blocks; other rows keep what ``delta`` held (the caller passes
+    """dQ pass (the warp-specialised kernel), one program per (query tile, query head): ``tiles`` built with
+    ``cfg.block_m`` queries per tile and ``cfg.block_n`` keys per step. With ``out`` (the forward's O) the kernel
+    computes delta = rowsum(dO * O) itself and WRITES it into ``delta`` (float32, lse's shape, contiguous) on the
+    rows of tiles with key blocks; other rows keep what ``delta`` held (the caller passes
     zeros). No dlse term then."""
     delta_from_o = out is not None
     if delta_from_o:
-        if not dq_computes_delta(cfg):
-            raise ValueError(f"computing delta needs a warp-specialised dQ config, not {cfg}")
         if out.shape != dout.shape or out.dtype != dout.dtype:
             raise ValueError("computing delta needs out (O) shaped and typed like dout")
         if not delta.is_contiguous() or delta.shape != lse.shape:
@@ -160,12 +158,6 @@ def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask:
             heads_q, heads_q // k.shape[1], scale * LOG2E, scale, *mask_scalars(mask))
     blocks = dict(HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                   **mask_constexprs(mask))
-    if not cfg.warp_specialize:
-        from packattn.ops.varlen.bwd_sm90 import varlen_bwd_dq_gluon_kernel
-
-        fast_launch.launch(varlen_bwd_dq_gluon_kernel, (num_work,), (*descs, *rest),
-                           dict(blocks, num_warps=cfg.num_warps))
-        return
     from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel
 
     if num_work >= 2**30:  # the kernel packs the item index into 30 bits

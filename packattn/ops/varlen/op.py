@@ -214,13 +214,13 @@ def _varlen_bwd_planned(plan: BwdPlan, dout, dlse, q, k, v, out, lse, tables, pa
 
 
 def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
-    """Does the backward skip the preprocess and let the dQ pass compute delta (`configs.dq_computes_delta`)?
-    When the plan's dQ config can, the dK/dV pass is the Gluon one (it reads delta only on rows of sequences
-    and takes P = 0 where lse = -inf), and there is no ``dlse`` (its term stays in the preprocess). The dQ
-    pass then runs first, on ``delta = zeros_like(lse)``: the rows of tiles without any key block keep 0,
-    which P = 0 cancels (uninitialised memory could hold NaN, and 0 * NaN is NaN). The float32 row sums run
-    in another order than the preprocess's: results are close to, not bitwise, the unfused backward's."""
-    return dlse is None and plan.dkdv is not None and configs.dq_computes_delta(plan.dq)
+    """Does the backward skip the preprocess and let the dQ pass compute delta (`launch_sm90.gluon_dq` with O)?
+    Yes when both passes are the Gluon ones (the dK/dV pass reads delta only on rows of sequences and takes
+    P = 0 where lse = -inf) and there is no ``dlse`` (its term stays in the preprocess). The dQ pass then runs
+    first, on ``delta = zeros_like(lse)``: the rows of tiles without any key block keep 0, which P = 0 cancels
+    (uninitialised memory could hold NaN, and 0 * NaN is NaN). The float32 row sums run in another order than
+    the preprocess's: results are close to, not bitwise, the unfused backward's."""
+    return dlse is None and plan.dkdv is not None and plan.dq is not None
 
 
 varlen_bwd = torch.library.custom_op("packattn::varlen_bwd", _varlen_bwd, mutates_args=())
