@@ -174,7 +174,7 @@ def test_tree_override_refuses_tables_off_the_declared_head_dims():
     with pytest.raises(ValueError, match="head dims"):
         with tree_configs.override(TREE_DQ_CONFIGS={96: tree_configs.TREE_DQ_CONFIGS[128]}):
             pass
-    assert set(tree_configs.TREE_FWD_CONFIGS) == {64, 128}
+    assert set(tree_configs.TREE_FWD_CONFIGS) == {64, 128, 256}
 
 
 # ---------------------------------------------------------------- the tree's dQ: its own kernel and blocks

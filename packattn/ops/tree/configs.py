@@ -27,11 +27,14 @@ from packattn.ops.runtime.sm90 import sm90_runs
 from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, triton_config
 
 # The head dims and dtypes of the Gluon tree forward and dQ (the dK/dV follows the varlen family's).
-GLUON_HEAD_DIMS = (64, 128)
+GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
-# The tree forward takes the varlen forward's tiles (NOTES.md, v14): 128 x 128, 4 / 3 stages at d = 64 / 128.
-TREE_FWD_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8)}
-# The tree dQ: two consumer warp groups over 128 x 64 tiles at d = 128 (NOTES.md, v14); the Triton one at d = 64.
+# The tree forward takes the varlen forward's tiles (NOTES.md, v14 and v33): 128 x 128, 4 / 3 stages at d = 64 /
+# 128, 128 x 32, 3 stages at d = 256.
+TREE_FWD_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8),
+                    256: GluonConfig(128, 32, 3, 8)}
+# The tree dQ: two consumer warp groups over 128 x 64 tiles at d = 128 (NOTES.md, v14); the Triton one at d = 64 and
+# 256 (its kernel needs two consumers: at d = 256 their shared memory does not fit).
 TREE_DQ_CONFIGS = {128: GluonBwdConfig(128, 64, 4, 8)}
 
 
