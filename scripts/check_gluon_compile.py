@@ -4,14 +4,17 @@ without a GPU, for every mask combination and head dim, and check what matters b
 * shared memory (must fit the 227 KB of an H100/H200 SM) and ptxas registers / spills;
 * ptxas "wgmma ... serialized" warnings (ptxas silently drops the async overlap when it cannot
   keep wgmma operands in registers);
-* proof of the overlap: inside the main loop the PTX holds ``wgmma.wait_group.sync.aligned 1``
-  (and the TTGIR ``warp_group_dot_wait {pendings = 1}``), i.e. a wgmma stays in flight while the
-  warp group runs the softmax;
+* proof of the overlap: inside the main loop the PTX holds ``wgmma.wait_group.sync.aligned n`` with
+  ``n >= 1`` (and the TTGIR ``warp_group_dot_wait {pendings = n}``), i.e. a wgmma stays in flight while the
+  warp group runs the softmax (n = 2 where the value head dim is in two column parts: two PV groups);
 * per partition, the setmaxnreg budget and the highest register the partition's SASS touches, and per
   loop (innermost loops of the PTX, from LLVM's loop annotations) the barriers left in it: ``cta_bar``
   (bar.sync over the whole CTA) and ``named_bar`` ({threads: count}: a barrier over one partition's warps).
 
     python scripts/check_gluon_compile.py [--head-dims 64 128] [--dtypes bf16 fp16] [--masks R RT ...]
+    python scripts/check_gluon_compile.py --head-dims 96 192 192:128 128:64 --config 128,64,3,8
+                                          # q/k head dim, or q/k:v; a dim that is not a power of two runs in
+                                          # two column parts (`packattn.ops.varlen.fwd_sm90_parts`)
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
     python scripts/check_gluon_compile.py --config 64,64,3,4      # block_m,block_n,stages,num_warps[,trim]
     python scripts/check_gluon_compile.py --selected              # every table entry of packattn.ops.varlen.configs
@@ -36,11 +39,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import _smem_layout  # noqa: E402
+from packattn.ops.runtime.sm90 import _smem_layout, ws_split  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
-from packattn.ops.varlen.launch_sm90 import fwd_resources  # noqa: E402
+from packattn.ops.varlen.fwd_sm90_parts import part_hi  # noqa: E402
+from packattn.ops.varlen.launch_sm90 import fwd_resources, shared_bytes  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
@@ -64,47 +68,84 @@ def parse_config(text: str) -> GluonConfig:
     return GluonConfig(*(int(x) for x in parts[:4]), trim=len(parts) == 5)
 
 
+def parse_dims(text: str) -> tuple[int, int]:
+    """``"d"`` or ``"d:d_v"`` as ``(q/k head dim, value head dim)``."""
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(x.strip().isdigit() for x in parts):
+        raise ValueError(f"{text!r}: expected a head dim d or d:d_v")
+    return int(parts[0]), int(parts[-1])
+
+
+def dims_label(dims: tuple[int, int]) -> str:
+    return str(dims[0]) if dims[0] == dims[1] else f"{dims[0]}:{dims[1]}"
+
+
+def table_key(dims: tuple[int, int]):
+    """The key of ``dims`` in the forward config tables: ``d`` when q/k and v share it, else ``(d, d_v)``."""
+    return dims[0] if dims[0] == dims[1] else dims
+
+
 def label_of(cfg: GluonConfig) -> str:
     return f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
 
 
-def selected_configs(head_dim: int) -> list[GluonConfig]:
-    """The forward configurations the launcher can select at ``head_dim`` (every table of `configs`)."""
+def selected_configs(dims) -> list[GluonConfig]:
+    """The forward configurations the launcher can select at ``dims`` (every table of `configs`; keys
+    `table_key`)."""
+    key = table_key(dims)
     tables = (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS)
-    return list(dict.fromkeys(t[head_dim] for t in tables if head_dim in t))
+    return list(dict.fromkeys(t[key] for t in tables if key in t))
 
 
-def compile_variant(dtype_name: str, head_dim: int, mask: str, cfg=None):
+def part_blocks(dims: tuple[int, int], block_m: int, block_n: int) -> dict:
+    """The kernel's descriptor arguments as the launcher builds them: name -> TMA block ``[rows, columns]``, or
+    None (``*_lo_desc`` where a head dim is a power of two: one column part)."""
+    (d, dv), blocks = dims, {}
+    for name, rows, dim in (("q", block_m, d), ("k", block_n, d), ("v", block_n, dv)):
+        hi = part_hi(dim)
+        blocks[f"{name}_desc"] = [rows, hi]
+        blocks[f"{name}_lo_desc"] = [rows, dim - hi] if dim > hi else None
+    return blocks
+
+
+def compile_variant(dtype_name: str, dims, mask: str, cfg=None):
     """``triton.compile`` of one variant as `launch_sm90.gluon_fwd` launches it (the default configuration
-    unless ``cfg``); the int and pointer arguments get ``tt.divisibility = 16`` where a real launch
-    (16-aligned tensors, strides that are multiples of 16) would give it."""
-    cfg = cfg or configs.CONFIGS[head_dim]
-    res = fwd_resources(cfg, head_dim)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+    unless ``cfg``); ``dims``: a head dim or ``(q/k, v)`` head dims. The int and pointer arguments get
+    ``tt.divisibility = 16`` where a real launch (16-aligned tensors, strides that are multiples of 16) would
+    give it."""
+    d, dv = (dims, dims) if isinstance(dims, int) else dims
+    if cfg is None:
+        if table_key((d, dv)) not in configs.CONFIGS:
+            raise ValueError(f"no forward config for head dims {dims_label((d, dv))} in configs.CONFIGS: give --config")
+        cfg = configs.CONFIGS[table_key((d, dv))]
+    res = fwd_resources(cfg, d, dv)
+    constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       TRIM=cfg.trim, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
                       num_warps=4)
+    blocks = part_blocks((d, dv), cfg.block_m, cfg.block_n)
+    constexprs.update({name: None for name, block in blocks.items() if block is None})
     options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}
     aligned = set(POINTERS) | {"stride_o_row", "stride_lse_head"}  # (rows, heads, d) contiguous: d | stride
-    compiled = compile_forward_kernel(varlen_fwd_gluon_ws_kernel, dtype_name, head_dim, cfg.block_m, cfg.block_n,
-                                      constexprs, options, POINTERS, aligned)
+    compiled = compile_forward_kernel(varlen_fwd_gluon_ws_kernel, dtype_name, d, cfg.block_m, cfg.block_n,
+                                      constexprs, options, POINTERS, aligned, blocks)
     return cfg, compiled
 
 
 def compile_forward_kernel(fn, dtype_name: str, head_dim: int, block_m: int, block_n: int, constexprs: dict,
-                           options: dict, int_pointers, aligned):
+                           options: dict, int_pointers, aligned, blocks: dict | None = None):
     """``triton.compile`` of a Gluon forward kernel for sm_90a: q / k / v descriptors of ``[block_m |
-    block_n, head_dim]`` blocks, ``Out`` in the dtype, ``Lse`` float32, ``int_pointers`` int32 tensors,
-    ``qk_scale_log2`` float32, other arguments int32; ``aligned`` get ``tt.divisibility = 16``."""
+    block_n, head_dim]`` blocks (``blocks``: descriptor argument -> block, for those not in ``constexprs``),
+    ``Out`` in the dtype, ``Lse`` float32, ``int_pointers`` int32 tensors, ``qk_scale_log2`` float32, other
+    arguments int32; ``aligned`` get ``tt.divisibility = 16``."""
     dtype = DTYPES[dtype_name]
+    blocks = blocks or {"q_desc": [block_m, head_dim], "k_desc": [block_n, head_dim], "v_desc": [block_n, head_dim]}
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name == "q_desc":
-            signature[name] = _descriptor_type(dtype, [block_m, head_dim])
-        elif name in ("k_desc", "v_desc"):
-            signature[name] = _descriptor_type(dtype, [block_n, head_dim])
+        elif name in blocks:
+            signature[name] = _descriptor_type(dtype, blocks[name])
         elif name == "Out":
             signature[name] = "*" + dtype_name
         elif name == "Lse":
@@ -169,7 +210,8 @@ def _loop_stats(body: str) -> dict:
     for m in re.finditer(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+\d+\s*,\s*(\d+)\s*;", body):
         named[int(m.group(1))] = named.get(int(m.group(1)), 0) + 1
     cta = len(re.findall(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+\d+\s*;", body))
-    return {"mma_async": body.count("wgmma.mma_async"), "wait1": body.count("wgmma.wait_group.sync.aligned 1;"),
+    return {"mma_async": body.count("wgmma.mma_async"),
+            "wait_n": len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9];", body)),
             "wait0": body.count("wgmma.wait_group.sync.aligned 0;"), "ex2": body.count("ex2.approx"),
             "cta_bar": cta, "named_bar": named, "mbar_wait": body.count("mbarrier.try_wait"),
             "mbar_arrive": len(re.findall(r"mbarrier\.arrive(?!\.expect_tx)", body)),
@@ -185,15 +227,15 @@ def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
     ttgir = compiled.asm["ttgir"]
     ptx = compiled.asm["ptx"]
     first_for = ttgir.find("scf.for")
-    ir_ok = first_for >= 0 and re.search(r"pendings = 1\b", ttgir[first_for:]) is not None
+    ir_ok = first_for >= 0 and re.search(r"pendings = [1-9]\b", ttgir[first_for:]) is not None
     stats = []
     for header, body in _ptx_loops(ptx).items():
         st = _loop_stats(body)
-        main = st["mma_async"] and st["wait1"] and st["ex2"]
+        main = st["mma_async"] and st["wait_n"] and st["ex2"]
         if main or st["tma"]:
             stats.append({"loop": header, "kind": "main" if main else "tma", **st})
     ptx_ok = any(st["kind"] == "main" for st in stats)
-    detail = f"ttgir pendings=1 in a loop: {ir_ok}; ptx loop with wgmma + wait_group 1 + ex2: {ptx_ok}"
+    detail = f"ttgir pendings>=1 in a loop: {ir_ok}; ptx loop with wgmma + wait_group >=1 + ex2: {ptx_ok}"
     return ir_ok and ptx_ok, detail, stats
 
 
@@ -233,19 +275,28 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[-1500:]}"
 
 
-def check_variant(dtype_name: str, head_dim: int, mask: str, config_text: str | None,
+def check_variant(dtype_name: str, dims, mask: str, config_text: str | None,
                   dump: str | None = None) -> tuple[bool, str]:
     """Compile one variant and check it: ``(problem, report text)``. A problem is a failed
     compile, shared memory over the limit, a spill, a ptxas warning (C7514/C7515...), a missing
-    overlap, or a warp-specialised partition touching more registers than its setmaxnreg budget."""
+    overlap, a warp-specialised partition touching more registers than its setmaxnreg budget, or
+    the launcher's occupancy (`launch_sm90.fwd_resources`, from its shared memory figure) other than
+    the compiled kernel's shared memory allows. ``dims``: a head dim or ``(q/k, v)`` head dims."""
+    dims = (dims, dims) if isinstance(dims, int) else tuple(dims)
     config = parse_config(config_text) if config_text else None
-    name = f"{dtype_name} d={head_dim} mask={mask or '-':4s}"
+    name = f"{dtype_name} d={dims_label(dims)} mask={mask or '-':4s}"
     try:
-        cfg, compiled = compile_variant(dtype_name, head_dim, mask, config)
+        cfg, compiled = compile_variant(dtype_name, dims, mask, config)
     except Exception as e:  # report and go on
         return True, failure_report(f"{name} [{config_text or 'default'}]", e)
-    stem = f"{dtype_name}_d{head_dim}_{mask or 'none'}_{label_of(cfg).replace(',', '_')}"
-    return compiled_report(compiled, f"{name} [{label_of(cfg)}]", stem, dump)
+    stem = f"{dtype_name}_d{dims_label(dims).replace(':', 'v')}_{mask or 'none'}_{label_of(cfg).replace(',', '_')}"
+    bad, text = compiled_report(compiled, f"{name} [{label_of(cfg)}]", stem, dump)
+    expected, res = shared_bytes(cfg, dims[0], head_dim_v=dims[1]), fwd_resources(cfg, *dims)
+    ctas = ws_split(cfg.num_warps, compiled.metadata.shared)["ctas_per_sm"]
+    other = ctas != res["ctas_per_sm"]  # (the launcher's figure leaves out a few barriers and captures)
+    return bad or other, (f"{text}\n    launcher: shared_bytes={expected} ctas_per_sm={res['ctas_per_sm']}"
+                          f"{f' BUT THE KERNEL FITS {ctas}' if other else ''} maxnreg={res['maxnreg']} "
+                          f"consumer_regs={res['consumer_regs']} producer_regs={res['producer_regs']}")
 
 
 def failure_report(label: str, e: BaseException) -> str:
@@ -287,7 +338,9 @@ def _check_job(job):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(configs.GLUON_HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=parse_dims,
+                        default=[tuple(d) if isinstance(d, tuple) else (d, d) for d in configs.GLUON_HEAD_DIMS],
+                        help="q/k head dims d, or d:d_v with a value head dim of its own (e.g. 192:128)")
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
@@ -300,14 +353,14 @@ def main() -> int:
     args = parser.parse_args()
     jobs = []
     for dtype_name in args.dtypes:
-        for head_dim in args.head_dims:
+        for dims in args.head_dims:
             if args.selected:
-                texts = [label_of(c) for c in selected_configs(head_dim)]
+                texts = [label_of(c) for c in selected_configs(dims)]
             else:
                 texts = args.config or [None]
             for config_text in texts:
                 for mask in args.masks:
-                    jobs.append((dtype_name, head_dim, mask, config_text, args.dump))
+                    jobs.append((dtype_name, dims, mask, config_text, args.dump))
     failures = 0
     if args.jobs > 1 and len(jobs) > 1:
         import multiprocessing

@@ -26,28 +26,55 @@ consumer its half, met on ``wg_bars[0]`` (`_ws_zero_v_tail`).
 its rows (`_wg_block_range`) and waits for / releases the others (`_ws_skip_blocks`). A skipped block has
 P = 0 and an unchanged running max (rescale factor exactly 1): the output is bitwise the untrimmed one.
 
-Budget (contract with `packattn.ops.varlen.launch_sm90.fwd_resources`): shared memory ``(BLOCK_M + 2 STAGES
-BLOCK_N) HEAD_DIM`` elements plus the mbarriers (d = 128, 128 x 128, 3 stages: 224 KB of 227); registers by
-setmaxnreg, ``CONSUMER_REGS`` per consumer warp (240 at one CTA per SM), ``PRODUCER_REGS`` (24) for the
-producer.
+Head dims (`fwd_sm90_parts`): ``HEAD_DIM`` (q/k) and ``HEAD_DIM_V`` (v, out) may differ; a dim that is not a
+power of two is held in two column parts. S[j+1] is then two wgmma groups chained on one accumulator and PV[j]
+one per value part, so the wait under the softmax leaves the PV groups (1 or 2) pending. ``PLAIN`` (one
+power-of-two dim for q, k and v) keeps the code of the single-part kernel.
+
+Budget (contract with `packattn.ops.varlen.launch_sm90.fwd_resources`): shared memory ``BLOCK_M HEAD_DIM +
+STAGES BLOCK_N (HEAD_DIM + HEAD_DIM_V)`` elements plus the mbarriers (d = 128, 128 x 128, 3 stages: 224 KB of
+227); registers by setmaxnreg, ``CONSUMER_REGS`` per consumer warp (240 at one CTA per SM), ``PRODUCER_REGS``
+(24; 40 outside ``PLAIN``) for the producer.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.common_sm90 import (_aligned_shift, _issue_qk, _key_range, _load_kv_block, _softmax_any,
+from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _load_kv_block, _softmax_any,
                                                _to_operand, _zero_v_tail, mma_layout)
 from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
+from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_kv_parts, _load_q_parts, _part_buffers, _pv_lo,
+                                                _store_cols, lo_mma_layout, part_hi, parts_ok)
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q,
-                 group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block, row0_kv, n_lo,
+             col_kv, head_kv, num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             HEAD_DIM_V: gl.constexpr, PLAIN: gl.constexpr):
+    """One ring block's K and V (`common_sm90._load_kv_block`; not ``PLAIN``: `fwd_sm90_parts._load_kv_parts`,
+    K at ``col_kv``, V at kv head ``head_kv``'s columns of its own head dim)."""
+    if PLAIN:
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                       BLOCK_N)
+    else:
+        if HEAD_DIM_V == HEAD_DIM:
+            col_v = col_kv
+        else:
+            col_v = head_kv * HEAD_DIM_V
+        _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block,
+                       row0_kv, n_lo, col_kv, col_v, num_blocks, STAGES, BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q, cu_seqlens_kv,
+                 row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs,
+                 v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, HEAD_DIM: gl.constexpr,
+                 HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
     """TMA partition (one warp). Per tile: the first K/V block (if any), then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
-    the blocks, each into the next ring slot once ``empty`` says both consumers released it."""
+    the blocks, each into the next ring slot once ``empty`` says both consumers released it.
+    Not ``PLAIN``: each tensor in its column parts (`fwd_sm90_parts`), V at its own head dim."""
     block = 0  # ring blocks issued so far (all tiles of this program)
     loads_q = 0  # Q loads issued so far
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
@@ -58,26 +85,35 @@ def _ws_producer(q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row
             first = gl.minimum(num_blocks, 1)
             for b in range(0, first):
                 mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
-                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
-                               col_kv, block + num_blocks, STAGES, BLOCK_N)
-            _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row0_q + q_start, head * HEAD_DIM)
+                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block + b,
+                         row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks, STAGES,
+                         BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN)
+            if PLAIN:
+                _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row0_q + q_start, head * HEAD_DIM)
+            else:
+                _load_q_parts(q_desc, q_lo_desc, q_smem, q_lo, q_bar, q_empty, loads_q, row0_q + q_start,
+                              head * HEAD_DIM, part_hi(HEAD_DIM))
             for b in range(first, num_blocks):
                 mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
-                _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block + b, row0_kv, n_lo - block * BLOCK_N,
-                               col_kv, block + num_blocks, STAGES, BLOCK_N)
+                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block + b,
+                         row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks, STAGES,
+                         BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN)
             block += num_blocks
             loads_q += 1
 
 
 @gluon.jit
 def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, v_lo_buf=None):
     """Zero the rows of the last block's V slot past the sequence end (keys ``n_start ...``), each
     consumer warp group its own ``BLOCK_N / NUM_CONSUMERS`` rows (two groups storing the same rows
     is a write-write race, if a harmless one), then meet the other group on ``wg_bars[0]`` (phase
-    ``ntail & 1``: tiles with a tail so far) so neither starts PV before the whole tail is zero."""
+    ``ntail & 1``: tiles with a tail so far) so neither starts PV before the whole tail is zero.
+    ``HEAD_DIM``: ``v_buf``'s columns; ``v_lo_buf``: the slot's second value part, or None."""
     PART: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     _zero_v_tail(v_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, HEAD_DIM, 4)
+    if v_lo_buf is not None:
+        _zero_v_tail(v_lo_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, v_lo_buf.shape[1], 4)
     if NUM_CONSUMERS > 1:
         mbarrier.arrive(wg_bars.index(0), count=1)
         mbarrier.wait(wg_bars.index(0), ntail & 1)
@@ -106,7 +142,7 @@ def _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, wi
 @gluon.jit
 def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num_blocks, len_kv, ntail,
                     WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, v_lo_bufs=None):
     """``TRIM``: blocks ``b_from .. b_to - 1`` of the tile (ring blocks ``base + b``) that this consumer does not
     compute: wait until each is loaded (so that this arrival on ``empty`` counts for this block's phase, not
     for the other consumer's previous use of the slot), zero this group's part of the V tail if it is the
@@ -116,8 +152,11 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
         slot = (base + b) % STAGES
         mbarrier.wait(ready.index(slot), ((base + b) // STAGES) & 1)
         if (b == num_blocks - 1) & (n_lo + num_blocks * BLOCK_N > len_kv):
+            v_lo_buf = None
+            if v_lo_bufs is not None:
+                v_lo_buf = v_lo_bufs.index(slot)
             _ws_zero_v_tail(v_bufs.index(slot), n_lo + b * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS,
-                            BLOCK_N, HEAD_DIM)
+                            BLOCK_N, HEAD_DIM, v_lo_buf)
             ntail += 1
         mbarrier.arrive(empty.index(slot), count=1)
     return ntail
@@ -128,54 +167,87 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr):
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+               q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
-    through ``q_empty`` once the last S is done. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the tiles
-    whose last block had a V tail."""
+    through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
+    operands: the second column parts (`fwd_sm90_parts`) or None; with ``v_lo_bufs`` the output accumulator
+    ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
+    tiles whose last block had a V tail."""
     dtype: gl.constexpr = q_wg.dtype
+    acc_lo = None
+    if v_lo_bufs is not None:
+        acc, acc_lo = acc
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma_wait(0, deps=(_issue_qk(q_wg, k_bufs, ready, base, s_zero, STAGES), ))
+    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES), ))
     p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q, len_kv,
                                       qk_scale_log2, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
                                       HAS_CHUNK, TOP_LEFT)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
-        s_tok = _issue_qk(q_wg, k_bufs, ready, base + j + 1, s_zero, STAGES)
+        s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
         # blocks before the last never cross the sequence end: no V tail to zero here
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
+        if v_lo_bufs is None:
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
+        else:
+            lo_tok = _pv_lo(p_op, alpha, acc_lo, v_lo_bufs.index((base + j) % STAGES), o_lo_layout)
+            s = warpgroup_mma_wait(2, deps=(s_tok, ))  # S[j+1] done; PV[j]'s two parts keep running
         p, alpha, m_i, l_i = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi,
                                           len_q, len_kv, qk_scale_log2, window_left, window_right, chunk_size,
                                           HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        if v_lo_bufs is None:
+            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        else:
+            acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, lo_tok))
         mbarrier.arrive(empty.index((base + j) % STAGES), count=1)  # this warp group is done with block j
         p_op = _to_operand(p, dtype, o_layout)
     mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
     v_buf = v_bufs.index((base + last) % STAGES)
+    v_lo_buf = None
+    if v_lo_bufs is not None:
+        v_lo_buf = v_lo_bufs.index((base + last) % STAGES)
     if n_lo + num_blocks * BLOCK_N > len_kv:  # only the last block can cross the sequence end
-        _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM)
+        _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM,
+                        v_lo_buf)
         ntail += 1
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_buf, acc, is_async=True), ))
+    if v_lo_bufs is None:
+        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_buf, acc, is_async=True), ))
+    else:
+        acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, _pv_lo(p_op, alpha, acc_lo, v_lo_buf, o_lo_layout)))
     mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
+    if v_lo_bufs is not None:
+        acc = (acc, acc_lo)
     return acc, m_i, l_i, ntail
 
 
 @gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
-                 WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                 TOP_LEFT: gl.constexpr, TRIM: gl.constexpr):
+                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
+                 q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
-    this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring)."""
+    this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
+    The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
+    DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+    o_layout: gl.constexpr = mma_layout(4, DV_HI)
+    o_lo_layout: gl.constexpr = lo_mma_layout(HEAD_DIM_V)
     q_wg = q_smem.slice(WG * 64, 64, dim=0)
+    q_lo_wg = None  # (None where the dim has one part: the buffers passed then are stand-ins)
+    if part_hi(HEAD_DIM) != HEAD_DIM:
+        q_lo_wg = q_lo.slice(WG * 64, 64, dim=0)
+    else:
+        k_lo_bufs = None
+    if o_lo_layout is None:
+        v_lo_bufs = None
     block = 0
     loads_q = 0
     ntail = 0
@@ -185,33 +257,40 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             heads_per_section, num_work, HEAD_DIM, BLOCK_N)
         if seq >= 0:
             q_wg_start = q_start + WG * 64
-            offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, HEAD_DIM)
+            offs_m, offs_n, m_i, l_i, acc = _ws_tile_start(q_wg_start, s_layout, o_layout, BLOCK_N, DV_HI)
+            if o_lo_layout is not None:  # the output in two column parts: a pair of accumulators
+                acc = (acc, gl.zeros([64, HEAD_DIM_V - DV_HI], gl.float32, o_lo_layout))
             mbarrier.wait(q_bar, loads_q & 1)
             if TRIM and num_blocks > 0:
                 b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
                                              chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv,
-                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
+                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs)
                 if b_hi > b_lo:
                     acc, m_i, l_i, ntail = _ws_attend(
                         q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
-                        BLOCK_N, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                        BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs,
+                        v_lo_bufs, o_lo_layout)
                 else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
-                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES)
+                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs)
             elif num_blocks > 0:
                 acc, m_i, l_i, ntail = _ws_attend(
                     q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
-                    window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM, STAGES,
-                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+                    window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout)
             else:
                 mbarrier.arrive(q_empty, count=1)
+            if o_lo_layout is not None:
+                acc, acc_lo = acc
+                _store_cols(acc_lo, l_i, Out, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
+                            stride_o_head, DV_HI, o_lo_layout, 64, HEAD_DIM_V - DV_HI)
             _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
-                         stride_o_head, stride_lse_head, o_layout, HEAD_DIM)
+                         stride_o_head, stride_lse_head, o_layout, DV_HI)
             block += num_blocks
             loads_q += 1
 
@@ -219,38 +298,57 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
 @gluon.jit
 def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                         stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                        window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty,
-                        ready, empty, wg_bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                        TOP_LEFT: gl.constexpr, TRIM: gl.constexpr):
+                        window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs,
+                        v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr,
+                        HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                        TRIM: gl.constexpr):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
-                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, wg_bars,
-                 1, 2, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)
+                 chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
+                 q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                 HAS_CHUNK, TOP_LEFT, TRIM)
 
 
 @gluon.jit
 def varlen_fwd_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, tiles,
+    q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, Out, Lse, tiles,
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_o_row, stride_o_head, stride_lse_head,
     num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work,
     heads_per_section,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TRIM: gl.constexpr = False,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+    TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    TRIM: gl.constexpr = False,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
-    `packattn.ops.runtime.sm90.ws_split`."""
+    `packattn.ops.runtime.sm90.ws_split`. ``HEAD_DIM`` (q/k) and ``HEAD_DIM_V`` (v, out): a dim that is not a
+    power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
+    of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
+    gl.static_assert(parts_ok(HEAD_DIM) & parts_ok(HEAD_DIM_V), "head dims: a power of 2, or 2^a + 2^b, 2^b >= 16")
+    gl.static_assert((q_lo_desc is None) == (part_hi(HEAD_DIM) == HEAD_DIM), "q/k: a lo part iff not a power of 2")
+    gl.static_assert((k_lo_desc is None) == (q_lo_desc is None), "q and k come in the same parts")
+    gl.static_assert((v_lo_desc is None) == (part_hi(HEAD_DIM_V) == HEAD_DIM_V), "v: a lo part iff not a power of 2")
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
+    # one power-of-two head dim: the buffers (and the code) of the kernel before column parts
+    PLAIN: gl.constexpr = (HEAD_DIM == HEAD_DIM_V) & (part_hi(HEAD_DIM) == HEAD_DIM)
 
-    q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
-                                                                       STAGES, HEAD_DIM)
+    if PLAIN:
+        q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
+                                                                           STAGES, HEAD_DIM)
+        q_lo = q_smem  # (no second parts: unused, `fwd_sm90_parts._part_buffers`)
+        k_lo_bufs = k_bufs
+        v_lo_bufs = v_bufs
+    else:
+        q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty = _part_buffers(
+            q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, BLOCK_M, BLOCK_N, STAGES, part_hi(HEAD_DIM),
+            part_hi(HEAD_DIM_V))
     # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`). [1] and [2] are never waited on; they stay
     # allocated and initialised so that the kernel's PTX stays the one that was benchmarked.
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -262,26 +360,28 @@ def varlen_fwd_gluon_ws_kernel(
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
+                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
+                            k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
+                            HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
-                                   v_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                                   HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
-            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
+                                   v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
+                            cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
+                            heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
+                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                             stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
-            (_ws_producer, (q_desc, k_desc, v_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                            num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_bar,
-                            q_empty, ready, empty, HEAD_DIM, BLOCK_N, STAGES)),
+                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
+                            k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
+                            HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
+                            cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
+                            heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
+                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
         ], [1], [PRODUCER_REGS])

@@ -18,21 +18,40 @@ import torch
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
-from packattn.ops.runtime.sm90 import _descriptor, ws_grid, ws_split
+from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
+                                       _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
                                          dkdv_splits_head_dim, heads_per_section)
 
 
 # ---------------------------------------------------------------- shared memory and register split
-def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2) -> int:
-    """Shared memory of one forward CTA: Q, the K/V ring and the mbarriers."""
-    return (cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size + 8 * (2 + 2 * cfg.stages)
+def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_dim_v: int | None = None) -> int:
+    """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``) and the
+    mbarriers."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size
+            + 8 * (2 + 2 * cfg.stages))
+
+
+# The producer warp's registers where the forward runs in column parts or with a value head dim of its own
+# (`fwd_sm90_parts`): at 24 (or 32) its extra TMA coordinates, or values live into the partitions, spill
+# (scripts/check_gluon_compile.py); the consumers keep 232 (a d = 192 consumer with 64-key blocks needs ~215).
+PARTS_PRODUCER_REGS = 40
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_resources(cfg: GluonConfig, head_dim: int) -> dict:
-    """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory)."""
-    return ws_split(cfg.num_warps, shared_bytes(cfg, head_dim))
+def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None) -> dict:
+    """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory; ``head_dim_v``: the
+    value head dim, None: ``head_dim``); outside one power-of-two head dim the producer gets
+    `PARTS_PRODUCER_REGS` and the consumers what is left."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    res = ws_split(cfg.num_warps, shared_bytes(cfg, head_dim, head_dim_v=dv))
+    if dv == head_dim and head_dim & (head_dim - 1) == 0:
+        return res
+    consumers = cfg.num_warps // 4
+    idle = res["warps"] // 4 - consumers  # warp groups other than the consumers (the producer's)
+    spare = res["maxnreg"] * res["warps"] - PARTS_PRODUCER_REGS * 4 * idle
+    return dict(res, producer_regs=PARTS_PRODUCER_REGS, consumer_regs=min(256, spare // (4 * consumers)) // 8 * 8)
 
 
 def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
@@ -68,16 +87,48 @@ def dq_resources(cfg: GluonBwdConfig, head_dim: int, delta_from_o: bool = False)
     return ws_split(cfg.num_warps, dq_shared_bytes(cfg, head_dim, delta_from_o=delta_from_o))
 
 
+def part_descriptors(x: torch.Tensor, block_rows: int) -> tuple:
+    """The forward's TMA descriptors of ``x`` (rows, heads, d): ``(desc, None)`` with blocks ``[block_rows, d]``
+    (`sm90._descriptor`) for a power-of-two ``d``; else one descriptor per column part (`fwd_sm90_parts`) over
+    the same ``(rows, heads * d)`` view (of one copy where TMA cannot read ``x``): blocks ``[block_rows, hi]``
+    and ``[block_rows, d - hi]``, ``hi`` the widest power of two below ``d``; the kernel reads head ``h``'s
+    parts at columns ``h * d`` and ``h * d + hi``."""
+    d = x.shape[-1]
+    hi = 1 << (d.bit_length() - 1)
+    if hi == d:
+        return _descriptor(x, block_rows), None
+    if d - hi < 16 or (d - hi) & (d - hi - 1):
+        raise ValueError(f"the Gluon forward takes head dim {d} in no column parts: {hi} + {d - hi}, the second "
+                         "part must be a power of two >= 16")
+    if not _tma_compatible(x):
+        x = _as_tma_tensor(x)
+    rows, heads = x.shape[0], x.shape[1]
+    shape, strides = [rows, heads * d], [x.stride()[0], 1]
+    descs = []
+    for width in (hi, d - hi):
+        layout = _smem_layout((block_rows, width), x.dtype)
+        cls = _unchecked_descriptor_class(block_rows, width, x.dtype) if rows > 0 and heads > 0 else None
+        if cls is not None:
+            descs.append(_unchecked_descriptor(cls, x, shape, strides, [block_rows, width], layout))
+        else:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            descs.append(TensorDescriptor(x, shape, strides, [block_rows, width], layout))
+    return tuple(descs)
+
+
 # ---------------------------------------------------------------- launchers
 def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cfg: GluonConfig,
               short_seqs: bool = False, max_programs: int | None = None) -> None:
     """The forward into ``out`` / ``lse`` (rows in no sequence keep what they hold): a persistent grid of
     programs over the (query tile, query head) items, longest first; ``q_tiles`` built with ``cfg``'s
-    blocks. ``max_programs`` caps the grid (tests: many items per program)."""
+    blocks. ``max_programs`` caps the grid (tests: many items per program). q/k and v may differ in head dim
+    (MLA: ``out`` has v's); a head dim that is not a power of two runs in two column parts (`part_descriptors`).
+    """
     from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel
 
     total_q, heads_q, head_dim = q.shape  # (`_descriptor` copies what TMA cannot read)
-    heads_kv = k.shape[1]
+    heads_kv, head_dim_v = k.shape[1], v.shape[2]
     num_work = q_tiles.shape[0] * heads_q
     if num_work == 0 or total_q == 0:
         return
@@ -85,15 +136,17 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    res = fwd_resources(cfg, head_dim)
+    res = fwd_resources(cfg, head_dim, head_dim_v)
     section = heads_per_section(heads_q, heads_q // heads_kv, short_seqs)
-    args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, q_tiles,
+    (q_desc, q_lo), (k_desc, k_lo), (v_desc, v_lo) = (
+        part_descriptors(q, cfg.block_m), part_descriptors(k, cfg.block_n), part_descriptors(v, cfg.block_n))
+    args = (q_desc, k_desc, v_desc, q_lo, k_lo, v_lo, out, lse, q_tiles,
             *seq_args, out.stride(0), out.stride(1), lse.stride(0),
             heads_q, heads_q // heads_kv, scale * LOG2E, *mask_scalars(mask), num_work, section)
     fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, num_work, res, max_programs),), args, dict(
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
-        CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], TRIM=cfg.trim, num_warps=4,
-        maxnreg=res["maxnreg"]))
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        **mask_constexprs(mask), CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        TRIM=cfg.trim, num_warps=4, maxnreg=res["maxnreg"]))
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,

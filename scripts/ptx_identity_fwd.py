@@ -1,0 +1,128 @@
+"""Does the warp-specialised Gluon forward compile to the same PTX in two checkouts of the ``packattn/ops`` layout?
+
+`ptx_identity.py`'s forward specs (the selected configurations at d = 64 / 128, masks causal / none /
+window+chunk) compiled for sm_90a on the CPU in an old checkout (``--old``, e.g. a ``git archive HEAD packattn``
+made before a change) and in this one, both importing ``packattn.ops.varlen.fwd_sm90`` (`ptx_identity.py` reads
+its old side from the ``packattn/kernels`` layout). Parameters a side's kernel does not take are dropped; those
+it takes that the specs do not name get what the launcher passes at d = d_v (``HEAD_DIM_V = HEAD_DIM``, the
+second-column-part descriptors ``*_lo_desc`` None). Prints ``config | same/DIFF``; exit status 1 on any DIFF or
+failed compile. Normalised PTX is left in ``--keep`` (default /tmp/ptx_identity_fwd/{old,new}).
+
+    python scripts/ptx_identity_fwd.py [--old /tmp/old_fwd] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ptx_identity  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULE, NAME = "packattn.ops.varlen.fwd_sm90", "varlen_fwd_gluon_ws_kernel"
+LO_DESCS = ("q_lo_desc", "k_lo_desc", "v_lo_desc")
+
+
+def fwd_specs() -> list[dict]:
+    return [s for s in ptx_identity.specs() if s["group"] == "fwd"]
+
+
+def _compile(spec: dict) -> str:
+    import importlib
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    fn = getattr(importlib.import_module(MODULE), NAME)
+    constexprs = {k: v for k, v in spec["constexprs"].items() if k in fn.arg_names}
+    if "HEAD_DIM_V" in fn.arg_names:
+        constexprs["HEAD_DIM_V"] = constexprs["HEAD_DIM"]
+    constexprs.update({name: None for name in LO_DESCS if name in fn.arg_names})
+
+    def desc(rows):
+        dummy = torch.empty(256, 2048, dtype=torch.bfloat16)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, spec["d"]], gl.bfloat16)
+        return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), [rows, spec["d"]], layout))
+
+    signature = ptx_identity.kernel_signature(fn, constexprs, desc(spec["bm"]), desc(spec["bn"]), "*bf16")
+    aligned = set(ptx_identity.INT_POINTERS) | set(ptx_identity.OUT_POINTERS) | {"Lse"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if arg in aligned or arg.startswith("stride_")}
+    src = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(spec["options"]))
+    return ptx_identity.normalise(compiled.asm["ptx"])
+
+
+def worker(side: str, keep: str) -> int:
+    """Compile every forward spec with the packattn on sys.path; normalised PTX to keep/side/."""
+    import packattn
+
+    results = {"packattn": os.path.dirname(os.path.abspath(packattn.__file__))}
+    os.makedirs(os.path.join(keep, side), exist_ok=True)
+    for spec in fwd_specs():
+        path = os.path.join(keep, side, re.sub(r"[^\w.-]+", "_", spec["label"]) + ".ptx")
+        try:
+            text = _compile(spec)
+        except Exception as e:  # report and go on
+            results[spec["label"]] = f"FAILED {type(e).__name__}: {str(e)[-400:]}"
+            continue
+        with open(path, "w") as f:
+            f.write(text)
+        results[spec["label"]] = path
+    print(json.dumps(results))
+    return 0
+
+
+def run_side(side: str, root: str, keep: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", side, "--keep", keep],
+                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            found = json.loads(line)
+            if os.path.realpath(found.pop("packattn")) != os.path.realpath(os.path.join(root, "packattn")):
+                raise RuntimeError(f"{side}: imported packattn from the wrong checkout")
+            return found
+    raise RuntimeError(f"{side} worker failed:\n{done.stderr[-3000:]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", default="/tmp/old_fwd")
+    parser.add_argument("--keep", default="/tmp/ptx_identity_fwd")
+    parser.add_argument("--worker", metavar="SIDE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.keep)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        old, new = pool.map(lambda side: run_side(side[0], side[1], args.keep), [("old", args.old), ("new", ROOT)])
+    bad = 0
+    for spec in fwd_specs():
+        label = spec["label"]
+        a, b = old.get(label, "missing"), new.get(label, "missing")
+        if a.startswith(("FAILED", "missing")) or b.startswith(("FAILED", "missing")):
+            verdict = f"FAILED (old: {a[:200]}; new: {b[:200]})"
+        else:
+            with open(a) as fa, open(b) as fb:
+                verdict = "same" if fa.read() == fb.read() else "DIFF"
+        bad += verdict != "same"
+        print(f"{label} | {verdict}", flush=True)
+    print(f"{len(fwd_specs()) - bad} of {len(fwd_specs())} the same" + (f", {bad} DIFF or failed" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
