@@ -136,18 +136,35 @@ def test_sm90_kernels_off_says_why(monkeypatch):
 
 # ---------------------------------------------------------------- each family's head dims against its tables
 def test_every_varlen_gluon_table_covers_the_declared_head_dims():
-    dims = set(configs.GLUON_HEAD_DIMS)
-    for table in (configs.CONFIGS, configs.LONG_CONFIGS, configs.DQ_CONFIGS):
-        assert set(table) == dims
-    for table in (configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS, configs.DKDV_CONFIGS, configs.DKDV_GQA_CONFIGS,
-                  configs.DQ_SHORT_CONFIGS):
+    dims, fwd_dims = set(configs.GLUON_HEAD_DIMS), set(configs.GLUON_FWD_HEAD_DIMS)
+    assert dims <= fwd_dims
+    for table in (configs.CONFIGS, configs.LONG_CONFIGS):
+        assert set(table) == fwd_dims
+    assert set(configs.DQ_CONFIGS) == dims
+    for table in (configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS):
+        assert set(table) <= fwd_dims
+    for table in (configs.DKDV_CONFIGS, configs.DKDV_GQA_CONFIGS, configs.DQ_SHORT_CONFIGS):
         assert set(table) <= dims
-    for d in configs.GLUON_HEAD_DIMS:  # every lookup the plans make answers
+    for key in configs.GLUON_FWD_HEAD_DIMS:  # every lookup the plans make answers
         for long_seqs, short_seqs in ((False, False), (True, False), (False, True)):
-            assert configs.config_for(d, long_seqs, short_seqs).block_m in (64, 128)
+            assert configs.config_for(key, long_seqs, short_seqs).block_m in (64, 128)
+    for d in configs.GLUON_HEAD_DIMS:
         assert configs.dq_config(d) is not None and configs.dq_config(d, short_seqs=True) is not None
     assert set(configs.GLUON_DTYPES) <= set(configs.DTYPES)
-    assert dims <= set(configs.HEAD_DIMS)
+    assert {k if isinstance(k, int) else k[0] for k in fwd_dims} <= set(configs.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("d,d_v,fwd,bwd", [(192, 128, True, False), (128, 64, True, False), (96, 96, True, False),
+                                           (192, 192, True, False), (256, 256, True, True), (256, 128, False, False),
+                                           (32, 32, False, False)])
+def test_forward_and_backward_gluon_head_dims(hopper, d, d_v, fwd, bwd):
+    """The forward's Gluon head dims (`GLUON_FWD_HEAD_DIMS`, MLA pairs by `sm90.dims_key`) and the backward's
+    (`GLUON_HEAD_DIMS`): where only the forward is Gluon, the backward plan is the Triton passes."""
+    q, k = (_Cuda(torch.zeros(8, 4, d, dtype=torch.bfloat16)) for _ in range(2))
+    v = _Cuda(torch.zeros(8, 4, d_v, dtype=torch.bfloat16))
+    assert sm90.sm90_runs(q, k, v, False, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES) is fwd
+    assert sm90.sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES) is bwd
+    assert sm90.dims_key(d, d_v) == (d if d == d_v else (d, d_v))
 
 
 def test_every_tree_gluon_table_covers_the_declared_head_dims():
@@ -164,7 +181,7 @@ def test_varlen_override_refuses_tables_off_the_declared_head_dims(values):
     with pytest.raises(ValueError, match="head dims"):
         with configs.override(**values):
             pass
-    assert configs.GLUON_HEAD_DIMS == (64, 128, 256) and set(configs.CONFIGS) == {64, 128, 256}  # restored
+    assert configs.GLUON_HEAD_DIMS == (64, 128, 256) and set(configs.CONFIGS) == set(configs.GLUON_FWD_HEAD_DIMS)  # restored
 
 
 def test_tree_override_refuses_tables_off_the_declared_head_dims():

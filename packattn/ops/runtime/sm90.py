@@ -32,13 +32,18 @@ def _capability(index: int) -> tuple[int, int]:
     return cap
 
 
-def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool, head_dims: tuple[int, ...],
+def dims_key(head_dim: int, head_dim_v: int) -> int | tuple[int, int]:
+    """How the Gluon tables name a pair of head dims: ``d`` where q/k and v share it, ``(d, d_v)`` otherwise (MLA)."""
+    return head_dim if head_dim == head_dim_v else (head_dim, head_dim_v)
+
+
+def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool, head_dims: tuple,
               dtypes: tuple[torch.dtype, ...]) -> bool:
     """May the sm_90 Gluon kernels run on these tensors? Not Triton's interpreter, not ``PACKATTN_PORTABLE``
     (those two and the Triton release: `support.sm90_kernels_off`, the part of this rule that holds for every
     call), CUDA tensors on a compute capability 9.x device (with a Triton the kernels are built for), a dtype
-    of ``dtypes`` and a head dim of ``head_dims`` (q, k, v alike: the caller's family's Gluon kernels, e.g.
-    `packattn.ops.varlen.configs.GLUON_HEAD_DIMS` / ``GLUON_DTYPES``), heads_q a multiple of heads_kv; with
+    of ``dtypes`` and head dims named in ``head_dims`` (`dims_key` of q/k's and v's: the caller's family's Gluon
+    kernels, e.g. `packattn.ops.varlen.configs.GLUON_HEAD_DIMS` / ``GLUON_DTYPES``), heads_q a multiple of heads_kv; with
     ``tma`` also each tensor viewable as a TMA ``(rows, heads * d)`` matrix without a copy (`_tma_compatible`).
     Without ``tma`` the answer depends only on dtypes, shapes and device, so a forward (which builds the tile
     tables) and its backward (which launches, copying what TMA cannot read) agree."""
@@ -47,10 +52,10 @@ def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool, head
         return False
     if support.interpreting() or support.portable() or _capability(support.cuda_index(q.device))[0] != 9:
         return False
-    dtype, d = q.dtype, q.shape[-1]
-    if dtype not in dtypes or d not in head_dims or k.dtype != dtype or v.dtype != dtype:
+    dtype, d, d_v = q.dtype, q.shape[-1], v.shape[-1]
+    if dtype not in dtypes or k.dtype != dtype or v.dtype != dtype or k.shape[-1] != d:
         return False
-    if k.shape[-1] != d or v.shape[-1] != d or q.shape[1] % k.shape[1] != 0:
+    if (d if d == d_v else (d, d_v)) not in head_dims or q.shape[1] % k.shape[1] != 0:
         return False
     return not tma or (_tma_compatible(q) and _tma_compatible(k) and _tma_compatible(v))
 

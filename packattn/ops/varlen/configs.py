@@ -1,7 +1,8 @@
 """Every tile table, threshold and per-GPU choice of the varlen kernels, in one place.
 
-* which kernels may run at all: `HEAD_DIMS`, `DTYPES`; where the sm_90 Gluon kernels may: `GLUON_HEAD_DIMS`,
-  `GLUON_DTYPES` (passed to `sm90.sm90_runs`; every Gluon table covers them, `_check_tables`);
+* which kernels may run at all: `HEAD_DIMS`, `DTYPES`; where the sm_90 Gluon kernels may: the forward at
+  `GLUON_FWD_HEAD_DIMS`, the backward at `GLUON_HEAD_DIMS`, dtypes `GLUON_DTYPES` (passed to `sm90.sm90_runs`;
+  every Gluon table covers them, `_check_tables`; head dims named by `sm90.dims_key`: ``d``, or ``(d, d_v)``);
 * the portable Triton kernels: `launch_config` over `HOPPER_CONFIGS` / `HOPPER_LONG_FWD_CONFIGS` (sm_90),
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
 * the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
@@ -35,6 +36,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # `LONG_CONFIGS` and `DQ_CONFIGS` hold a config for each head dim, the other Gluon tables a subset
 # (`_check_tables`, at import and in `override`); a dim added here needs its configs, and vice versa.
 GLUON_HEAD_DIMS = (64, 128, 256)
+# The forward's: 96 and 192 in two power-of-two column parts, and MLA value head dims (`fwd_sm90_parts`); every
+# dim of GLUON_HEAD_DIMS is one of them. Where only the forward is Gluon the backward runs the Triton passes.
+GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256, (192, 128), (128, 64))
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs (NOTES.md, v7).
 LONG_SEQLEN = 8192
@@ -144,9 +148,12 @@ class GluonConfig:
 # fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 32-key blocks, 3
 # stages (Q 64 KB + 3 x 32 KB = 160 KB; the 64 x 256 float32 output takes 128 of a consumer's registers), the
 # best of three on D256 / S512d256 (NOTES.md, v33).
-CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8), 256: GluonConfig(128, 32, 3, 8)}
+# 96, 192 and MLA: the largest tiles that compile for sm_90a without spills (scripts/check_gluon_compile.py).
+CONFIGS = {64: GluonConfig(128, 128, 4, 8), 96: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8),
+           192: GluonConfig(128, 64, 3, 8), 256: GluonConfig(128, 32, 3, 8), (192, 128): GluonConfig(128, 64, 4, 8),
+           (128, 64): GluonConfig(128, 128, 4, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
-LONG_CONFIGS = {64: GluonConfig(128, 128, 4, 8), 128: GluonConfig(128, 128, 3, 8), 256: GluonConfig(128, 32, 3, 8)}
+LONG_CONFIGS = dict(CONFIGS)
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
 # warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
@@ -299,16 +306,20 @@ def _check_tables() -> None:
 def _check_head_dims() -> None:
     """Raise ValueError where a Gluon table lacks a head dim of `GLUON_HEAD_DIMS` that its lookup needs, or holds
     one the plans never ask for (it would be ignored)."""
-    dims = set(GLUON_HEAD_DIMS)
-    full = {"CONFIGS": CONFIGS, "LONG_CONFIGS": LONG_CONFIGS, "DQ_CONFIGS": DQ_CONFIGS}
-    partial = {"SHORT_CONFIGS": SHORT_CONFIGS, "SHORT_TRIM_CONFIGS": SHORT_TRIM_CONFIGS,
-               "DKDV_CONFIGS": DKDV_CONFIGS, "DKDV_GQA_CONFIGS": DKDV_GQA_CONFIGS, "DQ_SHORT_CONFIGS": DQ_SHORT_CONFIGS}
-    for name, table in full.items():
-        if set(table) != dims:
-            raise ValueError(f"{name} has head dims {sorted(table)}, GLUON_HEAD_DIMS {sorted(dims)}: one config each")
-    for name, table in partial.items():
-        if not set(table) <= dims:
-            raise ValueError(f"{name} has head dims {sorted(table)} outside GLUON_HEAD_DIMS {sorted(dims)}")
+    dims, fwd_dims = set(GLUON_HEAD_DIMS), set(GLUON_FWD_HEAD_DIMS)
+    if not dims <= fwd_dims:
+        raise ValueError(f"GLUON_HEAD_DIMS {sorted(dims)} must be forward head dims too (GLUON_FWD_HEAD_DIMS)")
+    full = {"CONFIGS": (CONFIGS, fwd_dims), "LONG_CONFIGS": (LONG_CONFIGS, fwd_dims), "DQ_CONFIGS": (DQ_CONFIGS, dims)}
+    partial = {"SHORT_CONFIGS": (SHORT_CONFIGS, fwd_dims), "SHORT_TRIM_CONFIGS": (SHORT_TRIM_CONFIGS, fwd_dims),
+               "DKDV_CONFIGS": (DKDV_CONFIGS, dims), "DKDV_GQA_CONFIGS": (DKDV_GQA_CONFIGS, dims),
+               "DQ_SHORT_CONFIGS": (DQ_SHORT_CONFIGS, dims)}
+    for name, (table, want) in full.items():
+        if set(table) != want:
+            raise ValueError(f"{name} has head dims {sorted(table, key=str)}, the plans ask for "
+                             f"{sorted(want, key=str)}: one config each")
+    for name, (table, want) in partial.items():
+        if not set(table) <= want:
+            raise ValueError(f"{name} has head dims {sorted(table, key=str)} outside {sorted(want, key=str)}")
     if not set(SHORT_CONFIGS) <= set(SHORT_TRIM_CONFIGS):
         raise ValueError("every head dim of SHORT_CONFIGS needs a SHORT_TRIM_CONFIGS entry (`config_for`)")
 

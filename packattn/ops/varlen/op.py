@@ -27,7 +27,7 @@ from packattn.lengths import short_batch
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_op
 from packattn.ops.runtime.launch import MASK_FIELDS, MASK_OPTIONS, _last_dim_contiguous, mask_from_options, mask_options
-from packattn.ops.runtime.sm90 import sm90_runs
+from packattn.ops.runtime.sm90 import dims_key, sm90_runs
 from packattn.ops.varlen import configs, launch_sm90, launch_triton
 from packattn.ops.varlen.launch_triton import new_output
 from packattn.ops.varlen.tiles import tile_table
@@ -113,9 +113,9 @@ def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[li
     long_seqs = seqs.max_seqlen_q >= configs.LONG_SEQLEN
     short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
     gluon = (seqs.max_seqlen_q >= configs.GLUON_MIN_SEQLEN
-             and sm90_runs(q, k, v, True, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES))
+             and sm90_runs(q, k, v, True, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES))
     if gluon:
-        fwd = configs.config_for(head_dim, long_seqs, short_seqs, q.device)
+        fwd = configs.config_for(dims_key(head_dim, v.shape[-1]), long_seqs, short_seqs, q.device)
     else:
         fwd = configs.triton_config("fwd", q, v, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
@@ -144,7 +144,7 @@ def _varlen_fwd(
     lse = new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     seq_args, q_tiles = tables[:4], tables[4]
     if gluon:
-        cfg = configs.config_for(head_dim, bool(long_seqs), bool(short_seqs), q.device)
+        cfg = configs.config_for(dims_key(head_dim, v.shape[-1]), bool(long_seqs), bool(short_seqs), q.device)
         launch_sm90.gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, cfg, bool(short_seqs))
     else:
         launch_triton.triton_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, bool(long_seqs))
