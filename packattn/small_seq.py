@@ -11,7 +11,12 @@ import math
 
 import torch
 
-from packattn.ops.small_seq.op import MAX_KEYS, dense_items, kernel_unsupported, small_seq_fwd_call
+from packattn.ops.small_seq.op import (
+    MAX_KEYS,
+    dense_items,
+    kernel_unsupported,
+    small_seq_fwd_call,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "small_seq", "reference")
@@ -35,7 +40,7 @@ def small_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
     (ValueError naming why when they cannot run); ``"reference"`` is the plain computation.
     """
     _check_tensors(q, k, v)
-    batch, heads_q, head_dim = q.shape
+    batch, _, head_dim = q.shape
     seqlen_kv, heads_kv = k.shape[1], k.shape[2]
     lengths = _check_lengths(kv_lengths, batch, seqlen_kv, q.device)
     if scale is None:
@@ -52,7 +57,7 @@ def small_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_le
     if batch * seqlen_kv > _INT32_MAX:
         raise ValueError(f"{batch} items x {seqlen_kv} keys overflow the kernels' int32 row numbers")
     rows = batch * seqlen_kv
-    out, _, _ = small_seq_fwd_call(
+    out, _ = small_seq_fwd_call(
         q, k.reshape(rows, heads_kv, head_dim), v.reshape(rows, heads_kv, v.shape[-1]),
         dense_items(lengths, seqlen_kv), float(scale), False, False, seqlen_kv)
     return out

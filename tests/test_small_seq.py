@@ -5,14 +5,14 @@ import math
 
 import pytest
 import torch
+from triton_varlen_harness import DEVICE
+from triton_varlen_harness import make_inputs as make_packed_inputs
 
 import packattn
 from packattn import NoBackendError, dispatch, small_seq_attention
 from packattn.backends import REGISTRY
 from packattn.backends.small_seq import SmallSeqBackend
 from packattn.mask import Mask
-from triton_varlen_harness import DEVICE
-from triton_varlen_harness import make_inputs as make_packed_inputs
 
 
 # ---------------------------------------------------------------- ground truth
@@ -178,9 +178,9 @@ def test_custom_ops_opcheck():
 
     args = (q.detach(), k.detach(), v.detach(), item_table(seqs), 0.3, True, True, 0)
     torch.library.opcheck(torch.ops.packattn.small_seq_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    _, _, p = torch.ops.packattn.small_seq_fwd(*args)
+    torch.ops.packattn.small_seq_fwd(*args)
     torch.library.opcheck(torch.ops.packattn.small_seq_bwd.default,
-                          (dout, None, *args[:3], p, *args[3:]), test_utils=("test_schema", "test_faketensor"))
+                          (dout, None, *args), test_utils=("test_schema", "test_faketensor"))
 
 
 # ---------------------------------------------------------------- dense entry point
@@ -283,9 +283,10 @@ def test_dense_api_validation():
 
 # ---------------------------------------------------------------- dispatch
 def params(**overrides):
-    fields = dict(device_type="cuda", dtype=torch.bfloat16, heads_q=16, heads_kv=16, head_dim=128, head_dim_v=128,
-                  kind="varlen", pad_between_seqs=False, is_self=False, host_lengths=True, max_seqlen_q=1,
-                  max_seqlen_kv=16, mask=Mask.make(), return_lse=False, deterministic=False, requires_grad=True)
+    fields = {"device_type": "cuda", "dtype": torch.bfloat16, "heads_q": 16, "heads_kv": 16, "head_dim": 128,
+              "head_dim_v": 128, "kind": "varlen", "pad_between_seqs": False, "is_self": False, "host_lengths": True,
+              "max_seqlen_q": 1, "max_seqlen_kv": 16, "mask": Mask.make(), "return_lse": False,
+              "deterministic": False, "requires_grad": True}
     fields.update(overrides)
     return dispatch.Params(**fields)
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend
-from packattn.ops.small_seq.op import MAX_KEYS, item_table, kernel_unsupported, small_seq_fwd_call
+from packattn.ops.small_seq.op import (
+    MAX_KEYS,
+    item_table,
+    kernel_unsupported,
+    small_seq_fwd_call,
+)
 
 
 class SmallSeqBackend(TritonBackend):
@@ -31,7 +36,7 @@ class SmallSeqBackend(TritonBackend):
 
     def run(self, problem: Problem):
         seqs = problem.seqs
-        out, lse, _ = small_seq_fwd_call(
+        out, lse = small_seq_fwd_call(
             problem.q, problem.k, problem.v, item_table(seqs), problem.scale,
             seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, 0)
         return out, (lse if problem.return_lse else None)

@@ -28,21 +28,30 @@ class SmallSeqWorkload:
     name: str
     head_dim: int
     items: int = ITEMS
-    heads: int = HEADS
+    heads: int = HEADS  # query heads
+    heads_kv: int | None = None  # None: heads (MHA)
+    min_keys: int = 2  # key counts are uniform in [min_keys, 16]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads if self.heads_kv is None else self.heads_kv
 
     def lengths(self) -> torch.Tensor:
-        return torch.randint(2, MAX_KEYS + 1, (self.items,), generator=torch.Generator().manual_seed(1))
+        return torch.randint(self.min_keys, MAX_KEYS + 1, (self.items,), generator=torch.Generator().manual_seed(1))
+
+    def _rows(self, element_size: int) -> tuple[int, int, int]:
+        """``(bytes of a query row, bytes of a key row, keys)``."""
+        return (self.heads * self.head_dim * element_size, self.kv_heads * self.head_dim * element_size,
+                int(self.lengths().sum()))
 
     def bytes_fwd(self, element_size: int = 2) -> float:
-        row = self.heads * self.head_dim * element_size
-        keys = int(self.lengths().sum())
-        return float(row * (2 * self.items + 2 * keys))  # q, out; k, v
+        q_row, kv_row, keys = self._rows(element_size)
+        return float(2 * q_row * self.items + 2 * kv_row * keys)  # q, out; k, v
 
     def bytes_fwdbwd(self, element_size: int = 2) -> float:
-        row = self.heads * self.head_dim * element_size
-        keys = int(self.lengths().sum())
-        qkv = row * (self.items + 2 * keys)
-        return float(3 * qkv + 2 * row * self.items)  # fwd: q k v o; bwd: q k v do in, dq dk dv out
+        q_row, kv_row, keys = self._rows(element_size)
+        qkv = q_row * self.items + 2 * kv_row * keys
+        return float(3 * qkv + 2 * q_row * self.items)  # fwd: q k v o; bwd: q k v do in, dq dk dv out
 
 
 def small_seq_workloads() -> dict[str, SmallSeqWorkload]:
@@ -53,18 +62,20 @@ def make_impl(w: SmallSeqWorkload, impl: str, device, dtype=torch.bfloat16):
     """``(fn, (q, k, v))``: ``fn(q, k, v) -> out`` in the implementation's own layout."""
     gen = torch.Generator(device=device).manual_seed(0)
     lengths = w.lengths().to(device)
-    B, H, D = w.items, w.heads, w.head_dim
+    B, H, Hkv, D = w.items, w.heads, w.kv_heads, w.head_dim
 
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_()
 
     if impl == "packattn:small_seq":
         seqs = Varlen.from_lengths([1] * B, w.lengths().tolist(), device=device)
-        q, k, v = rand(B, H, D), rand(seqs.total_kv, H, D), rand(seqs.total_kv, H, D)
+        q, k, v = rand(B, H, D), rand(seqs.total_kv, Hkv, D), rand(seqs.total_kv, Hkv, D)
         return (lambda q, k, v: packattn.attention(q, k, v, seqs, backend="small_seq")), (q, k, v)
     if impl == "packattn:small_seq_dense":
-        q, k, v = rand(B, H, D), rand(B, MAX_KEYS, H, D), rand(B, MAX_KEYS, H, D)
+        q, k, v = rand(B, H, D), rand(B, MAX_KEYS, Hkv, D), rand(B, MAX_KEYS, Hkv, D)
         return (lambda q, k, v: packattn.small_seq_attention(q, k, v, lengths)), (q, k, v)
+    if Hkv != H:
+        raise ValueError(f"{impl} is timed on MHA inputs only (heads {H}, kv heads {Hkv})")
     mask = (torch.arange(MAX_KEYS, device=device)[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,16)
     q, k, v = rand(B, H, 1, D), rand(B, H, MAX_KEYS, D), rand(B, H, MAX_KEYS, D)
     if impl == "sdpa_mask":

@@ -1,23 +1,24 @@
-"""Small-sequence cross-attention: one query per item over at most ``BLOCK_S = 16`` keys.
+"""Small-sequence cross-attention on CUDA cores: one query per item over at most ``BLOCK_S = 16``
+keys. The tensor-core kernels (`packattn.ops.small_seq.kernels_mma`) are the default; these run where
+`packattn.ops.small_seq.configs` names ``kernel="fma"``, with the same arguments and results.
 
-Memory-bound, so the kernels are built around one read of each K/V row. One program per
-(item, kv head): it loads the item's K and V rows of that kv head once (``BLOCK_S`` rows, masked
-by the item's key count) and loops over the ``group = heads_q // heads_kv`` query heads that read
-them (GQA/MQA), so K/V are never repeated and the loop keeps one query head in registers at a
-time (a padded ``(group, BLOCK_S, BLOCK_D)`` product would not fit at head_dim 512).
+One program per (item, kv head): it loads the item's K and V rows of that kv head once (``BLOCK_S``
+rows, masked by the item's key count) and loops over the ``group = heads_q // heads_kv`` query heads
+that read them (GQA/MQA), so K/V are never repeated and the loop keeps one query head in registers at a
+time. K/V are held as float32 ``(BLOCK_S, BLOCK_D)`` tiles, so registers bound the occupancy (ptxas:
+255 registers at head dim 256 with one warp).
 
-Items are described by three int32 arrays (see `packattn.backends.small_seq`):
+Items are described by three int32 arrays (see `packattn.ops.small_seq.op`):
 ``q_rows[b]`` the physical row of the item's query (``-1``: the item has no query),
 ``kv_starts[b]`` the physical row of its first key, ``kv_lens[b]`` its number of keys (0..16).
 
 Arithmetic: every product is a plain float32 multiply-add (inputs converted to float32; no
-``tl.dot``, so no TF32 and no tensor cores: a 1 x 16 score row has nothing to feed them).
-Softmax in base 2 with ``scale * log2(e)`` folded into the scores. A query with no key gives
-``out = 0`` and ``lse = -inf`` (never NaN).
+``tl.dot``). Softmax in base 2 with ``scale * log2(e)`` folded into the scores. A query with no key
+gives ``out = 0`` and ``lse = -inf`` (never NaN).
 
-The forward saves the softmax ``P`` (float32 ``(items, heads_q, BLOCK_S)``, zeros past the
-item's keys) for the backward, which then needs no ``lse`` and no recomputation::
+The backward recomputes the softmax as the forward does (it loads q and K anyway)::
 
+    P[h]  = softmax_s(scale Q[h] . K[s])
     dV[s] = sum_h P[h, s] dO[h]          dP[h, s] = dO[h] . V[s]
     dS    = P * (dP - rowsum(P * dP) + dlse)
     dQ[h] = scale * sum_s dS[h, s] K[s]   dK[s] = scale * sum_h dS[h, s] Q[h]
@@ -54,10 +55,9 @@ def _load_keys(base, kv_start, stride_row, offs_s, offs_d, key_ok, HEAD_DIM: tl.
 
 @triton.jit
 def small_seq_fwd_kernel(
-    Q, K, V, Out, Lse, P, q_rows, kv_starts, kv_lens,
+    Q, K, V, Out, Lse, q_rows, kv_starts, kv_lens,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_o_row, stride_o_head, stride_lse_head, stride_p_item, stride_p_head,
-    heads_kv, group, qk_scale_log2,
+    stride_o_row, stride_o_head, stride_lse_head, heads_kv, group, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,16 +89,15 @@ def small_seq_fwd_kernel(
         lse = tl.where(has_key, (m + tl.log2(tl.where(has_key, denom, 1.0))) * LN2, float("-inf"))
         tl.store(Out + q_row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
         tl.store(Lse + head * stride_lse_head + q_row, lse)
-        tl.store(P + item.to(tl.int64) * stride_p_item + head * stride_p_head + offs_s, p)
 
 
 @triton.jit
 def small_seq_bwd_kernel(
-    Q, K, V, P, dOut, dLse, dQ, dK, dV, q_rows, kv_starts, kv_lens,
+    Q, K, V, dOut, dLse, dQ, dK, dV, q_rows, kv_starts, kv_lens,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_p_item, stride_p_head, stride_do_row, stride_do_head, stride_dlse_head,
+    stride_do_row, stride_do_head, stride_dlse_head,
     stride_dq_row, stride_dq_head, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
-    heads_kv, group, scale, kv_fill,
+    heads_kv, group, scale, qk_scale_log2, kv_fill,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """dQ for the item's query rows, dK/dV for its key rows. ``kv_fill``: dK/dV rows
@@ -118,6 +117,7 @@ def small_seq_bwd_kernel(
     # (tl.where, not ``&``: Triton 3.9's interpreter turns a block mask & a scalar one into int32, which
     # tl.load refuses as a mask; compiled code is the same either way)
     q_ok = tl.where(has_q, d_ok, False)
+    seen = tl.where(has_q, key_ok, False)
     k = _load_keys(K + kv_head * stride_k_head, kv_start, stride_k_row, offs_s, offs_d, key_ok, HEAD_DIM)
     v = _load_keys(V + kv_head * stride_v_head, kv_start, stride_v_row, offs_s, offs_d, key_ok, HEAD_DIM)
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
@@ -125,9 +125,12 @@ def small_seq_bwd_kernel(
 
     for h in range(group):
         head = kv_head * group + h
-        p = tl.load(P + item.to(tl.int64) * stride_p_item + head * stride_p_head + offs_s,
-                    mask=tl.where(has_q, key_ok, False), other=0.0)
         q = tl.load(Q + q_row * stride_q_row + head * stride_q_head + offs_d, mask=q_ok, other=0.0).to(tl.float32)
+        scores = tl.where(seen, tl.sum(k * q[None, :], axis=1) * qk_scale_log2, float("-inf"))
+        m = tl.max(scores, axis=0)
+        p = tl.exp2(scores - tl.where(m == float("-inf"), 0.0, m))
+        denom = tl.sum(p, axis=0)
+        p = p / tl.where(denom > 0.0, denom, 1.0)
         do = tl.load(dOut + q_row * stride_do_row + head * stride_do_head + offs_d, mask=q_ok, other=0.0)
         do = do.to(tl.float32)
         dv += p[:, None] * do[None, :]

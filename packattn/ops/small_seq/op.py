@@ -1,34 +1,40 @@
 """The small-sequence op (one query over at most 16 keys per sequence): item tables, launchers,
 ``torch.library`` custom ops, and the limits of its kernels.
 
-Kernels live in `packattn.ops.small_seq.kernels`. A batch is a list of *items* described by an int32
-table ``(3, items)`` with rows ``q_rows`` (physical row of the item's query, -1 when it has none),
+Kernels live in `packattn.ops.small_seq.kernels_mma` (tensor cores, the default) and
+`packattn.ops.small_seq.kernels` (CUDA cores); `packattn.ops.small_seq.configs` picks one and its launch
+shape per pass, head dim and GQA group. A batch is a list of *items* described by an int32 table
+``(3, items)`` with rows ``q_rows`` (physical row of the item's query, -1 when it has none),
 ``kv_starts`` (physical row of its first key) and ``kv_lens`` (0..16). For a `Varlen` it is built
 with device ops only (no host sync) and cached on the descriptor; for a dense ``(B, S, H, D)``
 batch (`packattn.small_seq.small_seq_attention`) it is ``[b, b * S, kv_lengths[b]]``, so K/V are
 read in place.
 
-The forward (``packattn::small_seq_fwd``) returns ``(out, lse, P)``; ``P`` (float32
-``(items, heads_q, 16)``, the softmax) is kept for the backward (``packattn::small_seq_bwd``),
-which is deterministic (no atomics) and takes the gradient flowing into ``lse`` as well.
+The forward (``packattn::small_seq_fwd``) returns ``(out, lse)``; the backward
+(``packattn::small_seq_bwd``) recomputes the softmax from q and k (it reads them anyway), is
+deterministic (no atomics) and takes the gradient flowing into ``lse`` as well.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
+
 import torch
 
-from packattn.ops.runtime import fast_op
-from packattn.ops.runtime.launch import LOG2E, _fix_interpreter_loop_bounds, _last_dim_contiguous
+from packattn.ops.runtime import fast_launch, fast_op
+from packattn.ops.runtime.launch import (
+    LOG2E,
+    _fix_interpreter_loop_bounds,
+    _last_dim_contiguous,
+)
 from packattn.ops.runtime.support import device_unsupported, interpreting
+from packattn.ops.small_seq import configs
 from packattn.varlen import Varlen
 
 MAX_KEYS = 16  # BLOCK_S of the kernels
-HEAD_DIMS = (64, 128, 256, 512)
+HEAD_DIMS = configs.HEAD_DIMS
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Warps per program by head dim: time grows with the warps at every head dim, so 1 warp, also at 256 where
-# ptxas reports spills; at 512 one warp spills kilobytes in the backward, and 2 warps measured best
-# (benchmarks/NOTES.md, small_seq v1).
-NUM_WARPS = {64: 1, 128: 1, 256: 1, 512: 2}
 
 
 def kernel_unsupported(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str | None:
@@ -64,39 +70,88 @@ def dense_items(kv_lengths: torch.Tensor, seqlen_kv: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- launchers / custom ops
-def _launch(kernel, grid: int, args: tuple, constexprs: dict, head_dim: int) -> None:
-    if grid == 0:
+_shrunk: dict = {}  # (pass, config, head_dim, group, heads_kv, dtype) -> the smaller config that launched
+
+
+def _smaller(config: configs.SmallSeqConfig) -> configs.SmallSeqConfig | None:
+    """What to try when ``config`` needs more shared memory than an SM has: fewer kv heads per unit, then
+    one pipeline buffer, then no pipelining; None: nothing smaller."""
+    if config.kernel == "mma" and config.block_h > 1:
+        return replace(config, block_h=config.block_h // 2)
+    if config.kernel == "mma" and config.num_stages > 1:
+        return replace(config, num_stages=3 if config.num_stages > 3 else 1)
+    return None
+
+
+def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: int, group: int,
+            dtype: torch.dtype, head_dim: int, extra: dict) -> None:
+    """Launch pass ``kind`` ("fwd" / "bwd") with its config (`_smaller` ones where it does not fit an SM):
+    ``args`` are the tensors and strides, ``scalars`` the trailing ``(heads_kv, group, ...)`` arguments of
+    the CUDA-core kernel."""
+    if num_items == 0:
         return
     if interpreting():
         _fix_interpreter_loop_bounds()
-        num_warps = 1
-    else:
-        num_warps = NUM_WARPS[head_dim]
-    kernel[(grid,)](*args, **constexprs, BLOCK_S=MAX_KEYS, num_warps=num_warps, num_stages=1)
+    from triton.runtime.errors import OutOfResources
+
+    config = configs.lookup(kind, head_dim, group)
+    key = (kind, config, head_dim, group, heads_kv, dtype)
+    config = _shrunk.get(key, config)
+    while True:
+        try:
+            _launch_config(kind, config, args, scalars, num_items, heads_kv, group, dtype, head_dim, extra)
+            return
+        except OutOfResources as e:
+            smaller = _smaller(config)
+            if smaller is None:
+                raise
+            warnings.warn(f"packattn small_seq: {e}; {config.describe()} -> {smaller.describe()}", stacklevel=2)
+            config = _shrunk[key] = smaller
+
+
+def _launch_config(kind: str, config: configs.SmallSeqConfig, args: tuple, scalars: tuple, num_items: int,
+                   heads_kv: int, group: int, dtype: torch.dtype, head_dim: int, extra: dict) -> None:
+    if config.kernel == "fma":
+        from packattn.ops.small_seq import kernels
+
+        kernel = kernels.small_seq_fwd_kernel if kind == "fwd" else kernels.small_seq_bwd_kernel
+        grid = (num_items * heads_kv,)
+        kwargs = dict(extra, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=MAX_KEYS,
+                      num_warps=1 if interpreting() else config.num_warps, num_stages=1)
+        fast_launch.launch(kernel, grid, (*args, *scalars), kwargs)
+        return
+    from packattn.ops.small_seq import kernels_mma
+
+    kernel = kernels_mma.small_seq_fwd_mma_kernel if kind == "fwd" else kernels_mma.small_seq_bwd_mma_kernel
+    bh = configs.block_h(config, heads_kv)
+    head_blocks = -(-heads_kv // bh)
+    num_units = num_items * head_blocks
+    grid = (-(-num_units // config.units),)
+    kwargs = dict(extra, BLOCK_D=head_dim // config.d_chunks, D_CHUNKS=config.d_chunks, BLOCK_S=MAX_KEYS,
+                  BLOCK_G=configs.block_g(group, kind == "bwd"), BLOCK_H=bh, HEAD_BLOCKS=head_blocks,
+                  STAGES=config.num_stages, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                  num_warps=bh if bh > 1 else config.num_warps, num_stages=1)
+    fast_launch.launch(kernel, grid, (*args, num_units, config.units, *scalars), kwargs)
 
 
 def _small_seq_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
     scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, lse, P)``; ``padded_q``: some query rows belong to no item (zeros / -inf there).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``padded_q``: some query rows belong to no item (zeros / -inf there).
     ``padded_kv`` and ``kv_fill`` are only carried for the backward."""
-    from packattn.ops.small_seq.kernels import small_seq_fwd_kernel
-
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
-    num_items = items.shape[1]
     out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
     lse = torch.full((heads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device) if padded_q else \
         torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-    p = torch.empty((num_items, heads_q, MAX_KEYS), dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, p, items[0], items[1], items[2],
+    args = (q, k, v, out, lse, items[0], items[1], items[2],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-            heads_kv, heads_q // heads_kv, scale * LOG2E)
-    _launch(small_seq_fwd_kernel, num_items * heads_kv, args, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim), head_dim)
-    return out, lse, p
+            out.stride(0), out.stride(1), lse.stride(0))
+    group = heads_q // heads_kv
+    _launch("fwd", args, (heads_kv, group, scale * LOG2E), items.shape[1], heads_kv, group, q.dtype, head_dim, {})
+    return out, lse
 
 
 small_seq_fwd = torch.library.custom_op("packattn::small_seq_fwd", _small_seq_fwd, mutates_args=())
@@ -105,33 +160,29 @@ small_seq_fwd = torch.library.custom_op("packattn::small_seq_fwd", _small_seq_fw
 @small_seq_fwd.register_fake
 def _small_seq_fwd_fake(q, k, v, items, *rest):
     total_q, heads_q, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32),
-            q.new_empty((items.shape[1], heads_q, MAX_KEYS), dtype=torch.float32))
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 def _small_seq_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    p: torch.Tensor, items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
+    items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` from the saved softmax ``p``; ``dlse`` (or None): the gradient into lse."""
-    from packattn.ops.small_seq.kernels import small_seq_bwd_kernel
-
+    """``(dq, dk, dv)``; ``dlse`` (or None): the gradient into lse."""
     dout, q, k, v = (_last_dim_contiguous(x) for x in (dout, q, k, v))
-    p = p.contiguous()
     heads_q, head_dim = q.shape[1], q.shape[2]
     heads_kv = k.shape[1]
     has_dlse = dlse is not None
-    dlse = dlse.contiguous() if has_dlse else p  # placeholder pointer when there is none
+    dlse = dlse.contiguous() if has_dlse else dout  # placeholder pointer when there is none
     dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
     dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
     dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
-    args = (q, k, v, p, dout, dlse, dq, dk, dv, items[0], items[1], items[2],
+    args = (q, k, v, dout, dlse, dq, dk, dv, items[0], items[1], items[2],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            p.stride(0), p.stride(1), dout.stride(0), dout.stride(1), dlse.stride(0),
-            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            heads_kv, heads_q // heads_kv, scale, kv_fill)
-    _launch(small_seq_bwd_kernel, items.shape[1] * heads_kv, args,
-            dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=has_dlse), head_dim)
+            dout.stride(0), dout.stride(1), dlse.stride(0),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
+    group = heads_q // heads_kv
+    _launch("bwd", args, (heads_kv, group, scale, scale * LOG2E, kv_fill), items.shape[1], heads_kv, group,
+            q.dtype, head_dim, {"HAS_DLSE": has_dlse})
     return dq, dk, dv
 
 
@@ -145,8 +196,7 @@ def _small_seq_bwd_fake(dout, dlse, q, k, v, *rest):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, items, *options = inputs
-    _, _, p = output
-    ctx.save_for_backward(q, k, v, p, items)
+    ctx.save_for_backward(q, k, v, items)
     ctx.options = options  # scale, padded_q, padded_kv, kv_fill
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: no dlse term
 
@@ -155,11 +205,11 @@ def _backward_through(bwd):
     """The backward of ``packattn::small_seq_fwd`` computing its gradients with ``bwd`` (the
     ``packattn::small_seq_bwd`` op, or its implementation on the eager path, `fast_op`)."""
 
-    def backward(ctx, dout, dlse, _dp):
-        q, k, v, p, items = ctx.saved_tensors
+    def backward(ctx, dout, dlse):
+        q, k, v, items = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
-        dq, dk, dv = bwd(dout, dlse, q, k, v, p, items, *ctx.options)
+        dq, dk, dv = bwd(dout, dlse, q, k, v, items, *ctx.options)
         return dq, dk, dv, None, None, None, None, None
 
     return backward

@@ -1,0 +1,176 @@
+"""The small-sequence kernels at every head dim and GQA group, and under every launch shape of
+`packattn.ops.small_seq.configs` (units of several kv heads, head-dim chunks, several units per program,
+the pipelined unit loop, the CUDA-core kernels), against the float64 loop of tests/test_small_seq.py.
+On CPU the kernels run in Triton's interpreter, so item counts stay small."""
+
+import math
+
+import pytest
+import torch
+from test_small_seq import (
+    assert_zero_rows,
+    check_fp32,
+    dense_brute,
+    make_inputs,
+    run_brute,
+    run_kernel,
+)
+from triton_varlen_harness import DEVICE
+
+import packattn
+from packattn.ops.small_seq import configs
+from packattn.ops.small_seq.op import MAX_KEYS
+
+LENGTHS = [16, 0, 1, 5, 9, 3]  # full, empty, one key, and others: six items
+CONFIGS = [
+    "mma h1 c1 u1 w4 s1",  # one unit per program, no pipelining
+    "mma h1 c2 u3 w2 s5",  # head-dim chunks (the chunk tiles reloaded for the gradients), 3 units a program
+    "mma h2 c1 u4 w2 s3",  # two kv heads per unit (3-D tiles)
+    "mma h4 c4 u5 w4 s5",  # four kv heads per unit and four chunks
+    "fma w1",  # the CUDA-core kernels
+    "fma w2",
+]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_head_dim_and_group(head_dim, group):
+    """The default configs: out, lse, dq, dk, dv against float64, two kv heads."""
+    check_fp32(LENGTHS, heads=(2 * group, 2), head_dim=head_dim)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("heads", [(6, 6), (6, 3), (8, 2), (8, 1)], ids=["mha6", "gqa2-kv3", "gqa4", "mqa8"])
+def test_launch_shapes(config, heads):
+    """Every launch shape on kv head counts that are no power of two (a unit's last kv heads masked) and
+    span several units of kv heads, GQA and MQA; head dim 64 (chunks of 16 columns at c4)."""
+    c = configs.SmallSeqConfig.parse(config)
+    with configs.override(fwd=c, bwd=c):
+        check_fp32(LENGTHS + [2, 16, 7], heads=heads, head_dim=64)
+
+
+@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "fma w1"])
+def test_launch_shapes_at_512(config):
+    c = configs.SmallSeqConfig.parse(config)
+    with configs.override(fwd=c, bwd=c):
+        check_fp32([16, 0, 3], heads=(4, 2), head_dim=512)
+
+
+@pytest.mark.parametrize("kernel", ["mma", "fma"])
+def test_every_kv_length_gqa(kernel):
+    c = configs.SmallSeqConfig(kernel=kernel, block_h=2, units=4)
+    with configs.override(fwd=c, bwd=c):
+        check_fp32(list(range(MAX_KEYS + 1)), heads=(8, 2), head_dim=64)
+
+
+@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "fma w1"])
+def test_padding_and_items_without_query(config):
+    """Rows in no item: zeros / -inf; an item with no query: zero dK/dV on its keys."""
+    lengths_kv, lengths_q = [3, 16, 0, 9, 5], [1, 1, 1, 0, 1]
+    c = configs.SmallSeqConfig.parse(config)
+    with configs.override(fwd=c, bwd=c):
+        seqs, out, lse, (dq, dk, dv) = check_fp32(lengths_kv, lengths_q, heads=(8, 2), pad=4)
+    valid_q = seqs.row_map_q()[0] >= 0
+    unseen = seqs.row_map_kv()[0] < 0
+    start = seqs.host_starts_kv[3]
+    unseen[start:start + 9] = True
+    assert_zero_rows(out, ~valid_q)
+    assert_zero_rows(dq, ~valid_q)
+    assert torch.isneginf(lse[:, ~valid_q]).all()
+    for g in (dk, dv):
+        assert_zero_rows(g, unseen)
+
+
+@pytest.mark.parametrize("head_dim", [64, 512])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp16_within_twice_torch_fp16_error(head_dim, group):
+    """fp16 (P and dS rounded to fp16 before their products): within twice the error of the same loop in
+    plain fp16 torch, lse within 1e-3."""
+    seqs, q, k, v, dout = make_inputs([16, 3, 0, 11, 1], heads=(2 * group, 2), head_dim=head_dim,
+                                      dtype=torch.float16)
+    out, lse, grads = run_kernel(q, k, v, seqs, dout)
+    truth = run_brute(q, k, v, seqs, dout)
+    low = run_brute(q, k, v, seqs, dout, dtype=torch.float16)
+    for name, got, want, same in zip(("out", "dq", "dk", "dv"), (out, *grads), (truth[0], *truth[2]),
+                                     (low[0], *low[2])):
+        assert got.dtype == torch.float16
+        err = (got.double() - want).abs().max().item()
+        torch_err = (same.double() - want).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3, f"{name}: error {err:.3g} vs fp16 torch {torch_err:.3g}"
+    finite = torch.isfinite(truth[1])
+    torch.testing.assert_close(lse[finite].double(), truth[1][finite], atol=1e-3, rtol=0)
+
+
+def test_large_scores_keep_gradients_accurate():
+    """Scores in the hundreds: the backward's softmax is recomputed from the row maximum (from lse it
+    would lose bits in ``s - lse``)."""
+    check_fp32([16, 4, 9], heads=(8, 2), head_dim=128, scale=8.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "mma h1 c1 u1 w4 s1", "fma w1"])
+def test_dense_gqa_unused_slots(config):
+    """The dense entry point (keys read in place, ``kv_fill`` zero rows) with GQA 4 at head dim 128."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 0, 16, 1]
+    q = torch.randn(4, 8, 128, generator=gen).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(4, 6, 2, 128, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    dout = torch.randn(4, 8, 128, generator=gen).to(DEVICE)
+    c = configs.SmallSeqConfig.parse(config)
+    lengths = [min(n, 6) for n in lengths]
+    with configs.override(fwd=c, bwd=c):
+        out = packattn.small_seq_attention(q, k, v, torch.tensor(lengths, device=DEVICE), backend="small_seq")
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = dense_brute(*leaves, lengths, 1 / math.sqrt(128))
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, dout.double())):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    unused = torch.arange(6)[None, :] >= torch.tensor(lengths)[:, None]
+    for g in grads[1:]:
+        assert_zero_rows(g, unused.to(g.device))
+
+
+def test_override_checks_configs():
+    bad = [("block_h must be a power of two", {"fwd": configs.SmallSeqConfig(block_h=3)}),
+           ("d_chunks must leave chunks of >= 16 columns", {"bwd": configs.SmallSeqConfig(d_chunks=8)}),
+           ("kernel must be one of", {"fwd": configs.SmallSeqConfig(kernel="wgmma")})]
+    for match, kwargs in bad:
+        with pytest.raises(ValueError, match=match), configs.override(**kwargs):
+            pass
+    with pytest.raises(ValueError, match="not a small-seq config"):
+        configs.SmallSeqConfig.parse("mma x2")
+    assert configs.SmallSeqConfig.parse("mma c2 h4 u3") == configs.SmallSeqConfig(block_h=4, d_chunks=2, units=3)
+    assert configs.block_g(1, True) == 1 and configs.block_g(3, True) == 16 and configs.block_g(3, False) == 4
+    assert configs.block_h(configs.SmallSeqConfig(block_h=8), 3) == 4
+
+
+def test_config_too_large_for_an_sm_shrinks(monkeypatch):
+    """A config whose shared memory does not fit launches with fewer kv heads a unit, then fewer pipeline
+    buffers (remembered per call shape), with a warning; results are those of the config that ran."""
+    from triton.runtime.errors import OutOfResources
+
+    from packattn.ops.small_seq import op
+
+    real, tried = op._launch_config, []
+
+    def launch(kind, config, *args):
+        tried.append((kind, config.block_h, config.num_stages))
+        if config.block_h > 1 or config.num_stages > 3:
+            raise OutOfResources(300000, 232448, "shared memory")
+        real(kind, config, *args)
+
+    monkeypatch.setattr(op, "_launch_config", launch)
+    monkeypatch.setattr(op, "_shrunk", {})
+    c = configs.SmallSeqConfig(block_h=4, num_stages=5)
+    with configs.override(fwd=c, bwd=c), pytest.warns(UserWarning, match="h4 .* -> mma h2"):
+        check_fp32([16, 0, 5], heads=(8, 4), head_dim=64)
+    assert tried[:4] == [("fwd", 4, 5), ("fwd", 2, 5), ("fwd", 1, 5), ("fwd", 1, 3)]
+    assert ("bwd", 1, 3) in tried and len(op._shrunk) == 2
+    tried.clear()
+    with configs.override(fwd=c, bwd=c):
+        check_fp32([3, 1], heads=(8, 4), head_dim=64)
+    assert tried == [("fwd", 1, 3), ("bwd", 1, 3)]  # straight to the config that fitted
+    with configs.override(fwd=configs.SmallSeqConfig(kernel="fma")):
+        monkeypatch.setattr(op, "_launch_config", lambda *a: (_ for _ in ()).throw(OutOfResources(1, 0, "x")))
+        with pytest.raises(OutOfResources):
+            check_fp32([3], heads=(2, 2), head_dim=64)
