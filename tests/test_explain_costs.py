@@ -9,7 +9,7 @@ import pytest
 import test_costs
 from test_costs import call, row
 
-from packattn import cli, dispatch
+from packattn import cli, costs, dispatch
 
 clean, hopper, use_table = test_costs.clean, test_costs.hopper, test_costs.use_table  # its fixtures, here too
 
@@ -75,9 +75,14 @@ def test_dispatch_log_names_the_row_or_the_rule(hopper, use_table, monkeypatch, 
 
 
 def test_explain_with_the_committed_table(hopper, capsys):
-    """Until `packattn tune` fills it the committed table is empty: explain names it and the rule decides."""
+    """The committed sm_90 table (filled by `packattn tune` on an H100) decides W1 with GQA 16/4: explain names
+    its row, and the pick is that row's fastest backend."""
+    table = costs.table("sm90")
+    w1 = next(r for r in table.rows if r.key == costs.Key(128, 128, 4, "long", "causal", True))
+    best = min(("fa4", "triton"), key=w1.ms.get)  # the backends this test's GPU can run
     code, lines = _explain(capsys, *W1_CUDA)
-    assert code == 0 and "picks: fa4" in lines
-    assert ("decided by: the priority rule (costs_sm90.json (empty: nothing measured) has no row for d=128 group 4 "
-            "long causal fwd+bwd)") in lines
-    assert not any(ln.startswith("      table:") for ln in lines)
+    assert code == 0 and f"picks: {best}" in lines
+    decided = next(ln for ln in lines if ln.startswith("decided by: "))
+    assert decided.startswith(f"decided by: cost table costs_sm90.json ({table.meta['device']}, {table.meta['date']}), "
+                              "row d=128 group 4 long causal fwd+bwd: "), decided
+    assert any(ln.startswith("      table:") for ln in lines)
