@@ -152,8 +152,9 @@ def test_gqa_mqa(heads):
     check_fp32([37, 1, 70], heads=heads, causal=True, window=(24, 0))
 
 
-@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_head_dims(head_dim):
+    """Every head dim a model uses (the portable kernels pad 96 / 192 to their block widths), fp32."""
     check_fp32([33, 70], head_dim=head_dim, causal=True)
 
 
@@ -171,7 +172,7 @@ def test_padding_rows_are_exact_zeros(cross):
         assert torch.equal(g[~valid_kv], torch.zeros_like(g[~valid_kv]))
 
 
-@pytest.mark.parametrize("head_dim", [32, 96])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 def test_fp16_within_twice_torch_fp16_error(head_dim):
     opts = {"causal": True, "window": (40, 0)}
     seqs, q, k, v, dout = make_inputs([37, 0, 100], heads=(4, 2), head_dim=head_dim, dtype=torch.float16)
