@@ -5,10 +5,9 @@ and the command line in the file's ``meta``.
 
 A row is keyed on what dispatch keys a call on (`Key`): q/k and v head dims, GQA group (query heads per
 key/value head), length regime (``small``: longest sequence <= 16 rows, the small-seq kernels' range;
-``short``: <= `lengths.SHORT_SEQLEN`; ``long``: above it; the longest of queries and keys, from the bucketed
-lengths of `dispatch.Params`), mask kind (`mask_kind`) and forward-only vs with gradients. Its value is the
-time in ms of each backend measured on the row's shapes (summed over them: a ``short`` row holds 512-token
-and 128-token documents of the same token count).
+``tiny``: <= `lengths.TINY_SEQLEN`; ``short``: <= `lengths.SHORT_SEQLEN`; ``long``: above it; the longest of
+queries and keys, from the bucketed lengths of `dispatch.Params`), mask kind (`mask_kind`) and forward-only vs
+with gradients. Its value is the time in ms of each backend measured on the row's shapes (summed over them).
 
 How a row *covers* a call (`lookup`), each rule a reason in ``packattn explain`` when it fails:
 
@@ -32,10 +31,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from packattn.lengths import SHORT_SEQLEN
+from packattn.lengths import SHORT_SEQLEN, TINY_SEQLEN
 
 SCHEMA = 1
-REGIMES = ("small", "short", "long")
+REGIMES = ("small", "tiny", "short", "long")
 MASKS = ("causal", "causal_top_left", "none", "window", "chunk")
 META_KEYS = ("device", "torch", "triton", "fa4", "packattn", "date", "command", "dtype")
 _SMALL = 16  # longest sequence of the small regime (dispatch keeps lengths up to 16 exact)
@@ -213,7 +212,9 @@ def device_arch(params) -> str | None:
 def regime(max_seqlen_q: int, max_seqlen_kv: int) -> str:
     """The length regime of bucketed (or real) longest lengths, queries or keys."""
     longest = max(max_seqlen_q, max_seqlen_kv)
-    return "small" if longest <= _SMALL else "short" if longest <= SHORT_SEQLEN else "long"
+    if longest <= _SMALL:
+        return "small"
+    return "tiny" if longest <= TINY_SEQLEN else "short" if longest <= SHORT_SEQLEN else "long"
 
 
 def mask_kind(mask, is_self: bool) -> str:

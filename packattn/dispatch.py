@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from packattn import backends, costs, env
-from packattn.lengths import SHORT_SEQLEN, short_batch
+from packattn.lengths import SHORT_SEQLEN, TINY_SEQLEN, short_batch
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("packattn.dispatch")
 
 # longest sequences in the dispatch key: exact up to 16 (the small-seq kernels care), then one bucket up to
-# SHORT_SEQLEN (the short-batch tiles; the cost table's ``short`` regime), one above it (``long``)
+# TINY_SEQLEN (the cost table's ``tiny`` regime), one up to SHORT_SEQLEN (the short-batch tiles; ``short``), one
+# above it (``long``)
 _LENGTH_BUCKET = 17
 _TRACED_BUCKET = SHORT_SEQLEN + 1  # the bucket of a traced call outside the small-seq regime (`traced_buckets`)
 _CACHE_SIZE = 256
@@ -63,7 +64,7 @@ class Params:
     pad_between_seqs: bool
     is_self: bool  # q and kv describe the same sequences
     host_lengths: bool  # per-sequence lengths are known on the host
-    max_seqlen_q: int  # bucketed (`bucket`): exact to 16, 17 up to SHORT_SEQLEN, SHORT_SEQLEN + 1 above
+    max_seqlen_q: int  # bucketed (`bucket`): exact to 16, 17 to TINY_SEQLEN, TINY_SEQLEN + 1 to SHORT_SEQLEN, +1 above
     max_seqlen_kv: int  # bucketed likewise
     mask: Mask
     return_lse: bool
@@ -75,7 +76,9 @@ class Params:
     def bucket(length: int) -> int:
         if length < _LENGTH_BUCKET:
             return length
-        return _LENGTH_BUCKET if length <= SHORT_SEQLEN else SHORT_SEQLEN + 1
+        if length <= TINY_SEQLEN:
+            return _LENGTH_BUCKET
+        return TINY_SEQLEN + 1 if length <= SHORT_SEQLEN else SHORT_SEQLEN + 1
 
     @staticmethod
     def traced_buckets(max_seqlen_q, max_seqlen_kv) -> tuple[int, int]:
@@ -294,7 +297,9 @@ def _length_class(bucketed: int) -> str:
     """A bucketed length (`Params.bucket`) as the range of real lengths it stands for."""
     if bucketed < _LENGTH_BUCKET:
         return str(bucketed)
-    return f"{_LENGTH_BUCKET}-{SHORT_SEQLEN}" if bucketed <= SHORT_SEQLEN else f">{SHORT_SEQLEN}"
+    if bucketed <= TINY_SEQLEN:
+        return f"{_LENGTH_BUCKET}-{TINY_SEQLEN}"
+    return f"{TINY_SEQLEN + 1}-{SHORT_SEQLEN}" if bucketed <= SHORT_SEQLEN else f">{SHORT_SEQLEN}"
 
 
 def _log_decision(params: Params, requested: str, chosen: str, listing, decision) -> None:

@@ -122,7 +122,7 @@ def test_the_faster_measured_backend_wins(hopper, use_table):
 def test_the_table_replaces_the_fa4_deferral_where_it_covers_the_call(hopper, use_table):
     """The short MHA batch with gradients at d = 128, which the rule gives to triton, goes to FA4 where the
     table measured FA4 faster (and to triton where it measured triton faster)."""
-    short_mha = call(heads_kv=16, max_seqlen_q=17, max_seqlen_kv=17)
+    short_mha = call(heads_kv=16, max_seqlen_q=129, max_seqlen_kv=129)
     use_table(row({"fa4": 1.0, "triton": 1.2}, group=1, regime="short"))
     assert dispatch.select(short_mha).name == "fa4"
     use_table(row({"fa4": 1.3, "triton": 1.2}, group=1, regime="short"))
@@ -160,7 +160,8 @@ def test_a_row_that_measured_no_capable_backend_leaves_the_rule(hopper, use_tabl
     ({"head_dim": 80, "head_dim_v": 80}, "has no row for d=80"),
     ({"head_dim_v": 64}, "has no row for d=128/64"),
     ({"requires_grad": False}, "has no row for d=128 group 4 long causal fwd"),
-    ({"max_seqlen_q": 17, "max_seqlen_kv": 17}, "no row for d=128 group 4 short"),
+    ({"max_seqlen_q": 17, "max_seqlen_kv": 17}, "no row for d=128 group 4 tiny"),
+    ({"max_seqlen_q": 129, "max_seqlen_kv": 129}, "no row for d=128 group 4 short"),
     ({"mask": Mask.make(causal=True, window=(64, 0))}, "no row for d=128 group 4 long window"),
     ({"mask": Mask.make(causal="top_left"), "is_self": False}, "long causal_top_left"),
     ({"dtype": torch.float32}, "measured in bf16"),
@@ -219,8 +220,8 @@ def test_compiled_calls_rank_by_the_long_rows(hopper, use_table):
 
 def test_regimes_and_mask_kinds():
     bucket = dispatch.Params.bucket
-    assert [costs.regime(bucket(n), bucket(n)) for n in (1, 16, 17, 512, 513, 10**6)] == \
-        ["small", "small", "short", "short", "long", "long"]
+    assert [costs.regime(bucket(n), bucket(n)) for n in (1, 16, 17, 128, 129, 512, 513, 10**6)] == \
+        ["small", "small", "tiny", "tiny", "short", "short", "long", "long"]
     assert costs.regime(bucket(1), bucket(600)) == "long"  # the longer of queries and keys
     kinds = [costs.mask_kind(Mask.make(**o), s) for o, s in (
         ({"causal": True}, False), ({"causal": "top_left"}, True), ({"causal": "top_left"}, False), ({}, True),

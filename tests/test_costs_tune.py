@@ -27,22 +27,23 @@ def test_tune_grid_covers_the_head_dims_groups_regimes_and_masks():
     keys = {s.key(True) for s in shapes}
     assert {(k.head_dim, k.head_dim_v) for k in keys} == {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
                                                           (192, 128), (128, 64)}
-    for d, dv in tune.DIMS:  # every head dim: groups 1 and 4, long and short, causal and none
+    for d, dv in tune.DIMS:  # every head dim: groups 1 and 4, long, short and tiny, causal and none
         for group in (1, 4):
-            for regime in ("long", "short"):
+            for regime in ("long", "short", "tiny"):
                 for mask in ("causal", "none"):
                     assert costs.Key(d, dv, group, regime, mask, True) in keys, (d, dv, group, regime, mask)
     assert {k.head_dim for k in keys if k.mask == "window"} == {64, 128}
     assert {k.head_dim for k in keys if k.group == 8} == {64, 128}
-    assert {k.regime for k in keys} == {"long", "short"}
+    assert {k.regime for k in keys} == {"long", "short", "tiny"}
     for s in shapes:
         if s.key(False).regime == "long":
             total = 16384 if max(s.head_dim, s.head_dim_v) >= 192 else 32768
             assert list(s.lengths) == doc_lengths(total, 0) and s.label == f"doc_lengths({total}, 0)"
         else:
             assert set(s.lengths) in ({512}, {128}) and sum(s.lengths) == 32768
-    short = [s for s in shapes if s.key(True) == costs.Key(128, 128, 4, "short", "causal", True)]
-    assert sorted(s.label for s in short) == ["256x128", "64x512"]  # both document lengths in one row
+    short = [s.label for s in shapes if s.key(True) == costs.Key(128, 128, 4, "short", "causal", True)]
+    tiny = [s.label for s in shapes if s.key(True) == costs.Key(128, 128, 4, "tiny", "causal", True)]
+    assert short == ["64x512"] and tiny == ["256x128"]  # a row per document length class
 
 
 def test_check_sweep_has_30_rows_on_other_lengths():
@@ -52,7 +53,7 @@ def test_check_sweep_has_30_rows_on_other_lengths():
     assert not [s.name for s in shapes if tuple(s.lengths) in tuned]  # lengths the table never measured
     keys = [s.key(True) for s in shapes]
     assert {(k.head_dim, k.head_dim_v) for k in keys} == set(tune.DIMS)
-    assert {k.group for k in keys} == {1, 2, 4, 8} and {k.regime for k in keys} == {"long", "short"}
+    assert {k.group for k in keys} == {1, 2, 4, 8} and {k.regime for k in keys} == {"long", "short", "tiny"}
     assert {k.mask for k in keys} == {"causal", "none", "window"}
 
 
@@ -62,17 +63,19 @@ def _measurement(shape, fwd, fwdbwd, refused=None):
 
 
 def test_rows_sum_a_key_over_its_shapes(tmp_path, hopper):
-    s512, s128 = tune.make_shape("s512", 128, 128, 4, "causal"), tune.make_shape("s128", 128, 128, 4, "causal")
-    long = tune.make_shape("long", 128, 128, 4, "causal")
+    s512, s384 = tune.make_shape("s512", 128, 128, 4, "causal"), tune.make_shape("s384", 128, 128, 4, "causal")
+    s128, long = tune.make_shape("s128", 128, 128, 4, "causal"), tune.make_shape("long", 128, 128, 4, "causal")
     measurements = [
         _measurement(s512, {"fa4": 1.0, "triton": 1.5}, {"fa4": 3.0, "triton": 2.0}),
-        _measurement(s128, {"fa4": 1.0, "triton": 0.25, "torch_varlen": 2.0}, {"fa4": 3.0, "triton": 1.5}),
+        _measurement(s384, {"fa4": 1.0, "triton": 0.25, "torch_varlen": 2.0}, {"fa4": 3.0, "triton": 1.5}),
+        _measurement(s128, {"fa4": 0.25, "triton": 0.5}, {"fa4": 3.0, "triton": 1.5}),
         _measurement(long, {"fa4": 1.0, "triton": 2.0}, {"fa4": 4.0}, {"triton": "with gradients: test"}),
     ]
     rows = {(r["regime"], r["grad"]): r for r in tune.rows_from(measurements)}
     assert rows["short", False]["ms"] == {"fa4": 2.0, "triton": 1.75}  # torch_varlen: one shape only
     assert rows["short", True]["ms"] == {"fa4": 6.0, "triton": 3.5}
-    assert [s["lengths"] for s in rows["short", True]["shapes"]] == ["64x512", "256x128"]
+    assert [s["lengths"] for s in rows["short", True]["shapes"]] == ["64x512", s384.label]
+    assert rows["tiny", False]["ms"] == {"fa4": 0.25, "triton": 0.5}
     assert rows["long", True]["ms"] == {"fa4": 4.0} and rows["long", True]["refused"] == {"triton": "with gradients: test"}
     path = tmp_path / "costs_sm90.json"
     tune.write_table(path, "sm90", META, measurements, [])
@@ -80,9 +83,11 @@ def test_rows_sum_a_key_over_its_shapes(tmp_path, hopper):
     assert data["meta"]["complete"] is True and data["measurements"] == measurements
     loaded = costs.use(path)  # what tune writes is what dispatch reads
     dispatch.clear_cache()
-    assert len(loaded.rows) == 4
-    assert dispatch.select(call(max_seqlen_q=17, max_seqlen_kv=17)).name == "triton"
-    assert dispatch.select(call(max_seqlen_q=17, max_seqlen_kv=17, requires_grad=False)).name == "triton"
+    assert len(loaded.rows) == 6
+    short = {"max_seqlen_q": 129, "max_seqlen_kv": 129}
+    assert dispatch.select(call(**short)).name == "triton"
+    assert dispatch.select(call(**short, requires_grad=False)).name == "triton"
+    assert dispatch.select(call(max_seqlen_q=17, max_seqlen_kv=17, requires_grad=False)).name == "fa4"  # tiny row
     assert dispatch.select(call(requires_grad=False)).name == "fa4"
 
 
@@ -128,8 +133,8 @@ def test_run_tune_stops_at_its_budget_and_resumes(tmp_path, fake_gpu, monkeypatc
     data = json.loads(out.read_text())
     assert data["meta"]["complete"] is True and [m["shape"] for m in data["measurements"]] == measured
     forward = {(r["head_dim"], r["regime"]): r["ms"] for r in data["rows"] if not r["grad"]}
-    assert forward == {(64, "long"): {"fa4": 2.0, "triton": 1.0}, (64, "short"): {"fa4": 4.0, "triton": 2.0},
-                       (96, "long"): {"fa4": 2.0, "triton": 1.0}, (96, "short"): {"fa4": 2.0, "triton": 1.0}}
+    assert set(forward) == {(s.head_dim, s.key(False).regime) for s in shapes} and len(forward) == len(shapes)
+    assert all(ms == {"fa4": 2.0, "triton": 1.0} for ms in forward.values())  # one shape per row
     monkeypatch.setattr(tune, "device_meta", lambda command: ("sm90", {**META, "device": "another GPU"}))
     with pytest.raises(ValueError, match="--resume: .* was measured on 'NVIDIA H100 80GB HBM3', this is 'another"):
         tune.run_tune(out, resume=True)

@@ -166,7 +166,7 @@ def test_nothing_fits_lists_every_backend(clean_env):
     assert isinstance(info.value, ValueError)
     message = str(info.value)
     assert message.startswith("no packattn backend can run this call (varlen cpu float32 heads 4/2 d=32, causal, "
-                              "longest 17-512)")
+                              "longest 17-128)")
     reasons = dict(dispatch.reasons(params()))
     for backend in REGISTRY:
         assert f"  {backend.name}: {reasons[backend.name]}" in message
@@ -211,13 +211,14 @@ def test_cache_is_bounded():
 
 
 def test_params_bucket_and_describe():
-    lengths = (0, 1, 16, 17, 18, 512, 513, 100000)
-    assert [dispatch.Params.bucket(n) for n in lengths] == [0, 1, 16, 17, 17, 17, 513, 513]
+    lengths = (0, 1, 16, 17, 18, 128, 129, 512, 513, 100000)
+    assert [dispatch.Params.bucket(n) for n in lengths] == [0, 1, 16, 17, 17, 17, 129, 129, 513, 513]
     assert params(max_seqlen_q=17, max_seqlen_kv=17).short_seqs and params(max_seqlen_q=1, max_seqlen_kv=5).short_seqs
     assert not params(max_seqlen_q=513).short_seqs and not params(max_seqlen_kv=513).short_seqs
     assert hash(params()) == hash(params()) and params() == params()
     text = dispatch.describe(params(pad_between_seqs=True, return_lse=True, deterministic=True, dtype=torch.bfloat16))
-    assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic, longest 17-512"
+    assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic, longest 17-128"
+    assert dispatch.describe(params(max_seqlen_q=129, max_seqlen_kv=129)).endswith("longest 129-512")
     text = dispatch.describe(params(max_seqlen_q=1, max_seqlen_kv=513, head_dim_v=64, requires_grad=True))
     assert text == "varlen cpu float32 heads 4/2 d=32/64, causal, grad, longest 1/>512"
 

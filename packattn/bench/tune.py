@@ -3,8 +3,8 @@ that ``backend="auto"`` ranks them by (`packattn.costs`; the packaged one is ``p
 
 The grid (`tune_grid`, in priority order, so that a run cut short by its budget keeps the most useful rows):
 head dims 64, 96, 128, 192, 256 and MLA 192/128, 128/64; GQA groups 4 and 1 (8 at d = 64 and 128, causal);
-the ``long`` regime (W1's lengths ``doc_lengths(32768, 0)``, 16384 tokens from d = 192 up) and the ``short``
-one (64 x 512 and 256 x 128 tokens: both in one row); masks causal and none, and a window at d = 64 and 128.
+the ``long`` regime (W1's lengths ``doc_lengths(32768, 0)``, 16384 tokens from d = 192 up), the ``short`` one
+(64 x 512 tokens) and the ``tiny`` one (256 x 128 tokens); masks causal and none, and a window at d = 64 and 128.
 Each shape is timed forward (under ``torch.no_grad()``: what an inference call dispatches as) and forward +
 backward, bf16, on each backend of ``--backends`` that accepts it (`dispatch.reasons` for that backend; one
 that refuses is recorded with its reason) through `packattn.attention` with that backend named: what auto
