@@ -10,13 +10,19 @@ Bandwidth = minimum bytes / time (`packattn.bench.small_seq.SmallSeqWorkload`: f
 written; the backward adds q, k, v, dout read and dq, dk, dv written; bf16), time = triton.testing.do_bench
 median (L2 flushed before each call), the median over ``--rounds`` interleaved rounds. Copy bandwidth: a
 2 GiB device-to-device copy (bytes read + written), measured before and after. Each variant's out / dq / dk
-/ dv are compared with the first variant's (relative L2; the ``fma`` baseline is independent code).
+/ dv are compared with the first variant's (relative L2).
 
 Variants: ``default`` (the tables), ``alt`` (the other candidate of `ALT`), ``s3`` (the defaults with one
-pipeline buffer), ``u2`` / ``u24`` (units per program: no recompile), ``fma`` (the CUDA-core kernels,
-on `FMA_SHAPES` unless ``--fma-all``). ``--variant "name=FWD|BWD"`` adds one (config strings as
-`SmallSeqConfig.describe` writes them). The table comes last: per shape the best forward and the best
-forward+backward variant (bwd ms = f+b ms - fwd ms), against the targets (fwd >= 85%, f+b >= 60% of copy).
+pipeline buffer), ``u2`` / ``u24`` (units per program: no recompile), and per shape the candidates of
+`PROPOSED` for the shapes below target (``f-*``: another forward config, ``b-*``: another backward
+config, the other pass at its default). ``--variant "name=FWD|BWD"`` adds one (config strings as
+`SmallSeqConfig.describe` writes them; ``BWD`` omitted: the same as ``FWD``). ``--only`` picks variants
+by name (``default`` always runs first: the reference of relL2), ``--proposed`` runs the default, the
+`PROPOSED` ones and ``--variant`` ones only:
+
+    python benchmarks/small_seq_sweep.py --proposed --shapes d64-8/8 d64-8/2 d128-8/2 d256-8/8 d512-8/2 The table comes last: per shape the best
+forward and the best forward+backward variant (bwd ms = f+b ms - fwd ms), against the targets (fwd >= 85%,
+f+b >= 60% of copy).
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ from packattn.ops.small_seq import configs
 SHAPES = {f"d{d}-8/{kv}": SmallSeqWorkload(f"d{d}-8/{kv}", d, items=30720, heads=8, heads_kv=kv, min_keys=1)
           for d in configs.HEAD_DIMS for kv in (8, 2)}
 SHAPES["50k-d256-8/2"] = SmallSeqWorkload("50k-d256-8/2", 256, items=50000, heads=8, heads_kv=2, min_keys=1)
-FMA_SHAPES = ("d128-8/8", "50k-d256-8/2")  # the issue's references (75% / 69% and 38% / 14% of copy)
 C = configs.SmallSeqConfig
 # (head_dim, group bucket) -> the other (fwd, bwd) candidates of the compile-time analysis (configs.py):
 # more or fewer warps a unit, kv heads a unit, chunks, one pipeline buffer
@@ -49,6 +54,29 @@ ALT = {
     (256, 2): (C(block_h=1, d_chunks=2, num_warps=4), C(block_h=1, num_warps=4, num_stages=3)),
     (512, 1): (C(block_h=1, d_chunks=2, num_warps=2, units=4), C(block_h=1, num_warps=2, units=4)),
     (512, 2): (C(block_h=1, d_chunks=2, num_warps=2, units=4), C(block_h=1, num_warps=4, units=4, num_stages=3)),
+}
+# shape -> name -> (fwd, bwd) config strings (None: the default), for the shapes below target; from
+# scripts/check_small_seq_compile.py (no spills, programs per SM, KB in flight, SASS instructions per KB of
+# the unit loop). ``i``: items stacked a unit (kernels_stack: the backward's dK/dV dots reduce over several
+# items' query rows instead of one item's group padded to 16 rows; at group 1 dots instead of outer products)
+PROPOSED = {
+    "d64-8/8": {  # backward: 148 instr/KB at h1 w1 (one query row: the dQ dot's 15 padding rows, outer
+        # products); 16 / 8 items a unit make full 16-row dots (130), two kv heads a unit (142)
+        "b-i16w8": (None, "mma h1 c1 u8 w8 s3 i16"), "b-i8w4": (None, "mma h1 c1 u8 w4 s3 i8"),
+        "b-h2": (None, "mma h2 c1 u8 w2 s5")},
+    "d64-8/2": {  # backward: one item's 4 query rows padded to 16 in the dK/dV dots
+        "b-i2w1": (None, "mma h1 c1 u8 w1 s5 i2"), "b-i4w2": (None, "mma h1 c1 u8 w2 s5 i4"),
+        "b-h2": (None, "mma h2 c1 u8 w2 s5")},
+    "d128-8/2": {  # forward: 82 instr/KB, not issue-bound: more KB in flight; backward: fewer instr/KB
+        "f-h1w1": ("mma h1 c1 u8 w1 s5", None), "f-i4w2": ("mma h1 c1 u8 w2 s5 i4", None),
+        "b-w1": (None, "mma h1 c1 u8 w1 s5"), "b-i4w4": (None, "mma h1 c1 u8 w4 s5 i4"),
+        "b-i4c2": (None, "mma h1 c2 u8 w4 s5 i4")},
+    "d256-8/8": {  # forward: 176 instr/KB at c2 w4; fewer warps a unit
+        "f-c2w1": ("mma h1 c2 u8 w1 s5", None), "f-h2c2": ("mma h2 c2 u8 w2 s5", None),
+        "f-c1w1": ("mma h1 c1 u8 w1 s5", None)},
+    "d512-8/2": {  # backward: one program per SM, ~25 KB in flight; two items a unit double it
+        "b-i2c2w8": (None, "mma h1 c2 u4 w8 s3 i2"), "b-i2c4w4": (None, "mma h1 c4 u4 w4 s3 i2"),
+        "b-c2w4": (None, "mma h1 c2 u4 w4 s5")},
 }
 FWD_TARGET, FWDBWD_TARGET = 0.85, 0.60
 
@@ -64,16 +92,15 @@ def copy_TBps(rep_ms: float) -> float:
     return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12  # (the caller empties the cache)
 
 
-def variants(w: SmallSeqWorkload, extra: dict, fma_all: bool) -> dict:
+def variants(w: SmallSeqWorkload, extra: dict) -> dict:
     """name -> (fwd config, bwd config) for shape ``w``."""
     group = w.heads // w.kv_heads
     f0, b0 = configs.lookup("fwd", w.head_dim, group), configs.lookup("bwd", w.head_dim, group)
     out = {"default": (f0, b0), "alt": ALT[w.head_dim, 1 if group == 1 else 2],
            "s3": (replace(f0, num_stages=3), replace(b0, num_stages=3)),
            "u2": (replace(f0, units=2), replace(b0, units=2)), "u24": (replace(f0, units=24), replace(b0, units=24))}
-    if fma_all or w.name in FMA_SHAPES:
-        fma = C(kernel="fma", num_warps=2 if w.head_dim == 512 else 1)
-        out["fma"] = (fma, fma)
+    for name, (f, b) in PROPOSED.get(w.name, {}).items():
+        out[name] = (C.parse(f) if f else f0, C.parse(b) if b else b0)
     out.update(extra)
     unique = {}
     for name, pair in out.items():  # a variant equal to an earlier one (block_h capped by the kv heads) once
@@ -85,7 +112,7 @@ def variants(w: SmallSeqWorkload, extra: dict, fma_all: bool) -> dict:
 
 def effective(c: configs.SmallSeqConfig, heads_kv: int) -> configs.SmallSeqConfig:
     """``c`` as it launches with ``heads_kv`` kv heads (block_h capped)."""
-    return replace(c, block_h=configs.block_h(c, heads_kv)) if c.kernel == "mma" else c
+    return replace(c, block_h=configs.block_h(c, heads_kv))
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -168,8 +195,8 @@ def main() -> None:
     parser.add_argument("--out", help="JSON results path")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--only", nargs="+", help="variant names to run (default: all)")
+    parser.add_argument("--proposed", action="store_true", help="default, PROPOSED and --variant ones only")
     parser.add_argument("--variant", action="append", default=[], help='"name=FWD CONFIG|BWD CONFIG"')
-    parser.add_argument("--fma-all", action="store_true", help="the fma baseline on every shape")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=30.0, help="do_bench rep per timing")
     args = parser.parse_args()
@@ -187,9 +214,11 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         w = SHAPES[shape]
-        named = variants(w, extra, args.fma_all)
-        if args.only:
-            named = {n: c for n, c in named.items() if n in args.only}
+        named = variants(w, extra)
+        keep = set(args.only or named) | {"default"}
+        if args.proposed:
+            keep = (set(args.only or []) | set(PROPOSED.get(shape, {})) | set(extra) | {"default"}) & set(named)
+        named = {n: c for n, c in named.items() if n in keep}
         rows += run_shape(w, named, args.rounds, args.rep_ms, copy_before)
         torch.cuda.empty_cache()
         print(f"{shape}: done at {time.perf_counter() - start:.0f} s (compile+check "

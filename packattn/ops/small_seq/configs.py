@@ -1,12 +1,13 @@
-"""Launch configurations of the small-sequence kernels (`packattn.ops.small_seq.kernels_mma`), by pass,
-head dim and GQA group; `override` swaps them for experiments (benchmarks/small_seq_sweep.py, tests).
+"""Launch configurations of the small-sequence kernels (`packattn.ops.small_seq.kernels_mma`,
+`packattn.ops.small_seq.kernels_stack`), by pass, head dim and GQA group; `override` swaps them for
+experiments (benchmarks/small_seq_sweep.py, tests).
 
-A config says how many kv heads a unit takes (``block_h``; one warp each when > 1), how many chunks the
-head dim is cut into (``d_chunks``), how many units a program loops over (``units``), the warps of a
-``block_h == 1`` program and the pipeline depth (``num_stages`` of the unit loop: Triton's pipeliner,
-with the item-table loads ahead of the tile loads, double-buffers the tiles from 5 on). ``kernel="fma"``
-runs the CUDA-core kernels of `packattn.ops.small_seq.kernels` instead (one program per (item, kv head),
-warps from ``num_warps``; the other fields unused).
+A config says how many kv heads a unit takes (``block_h``; one warp each when > 1), how many items a unit
+takes (``items``; > 1: the query rows of several items stacked into one tile, `kernels_stack`, one kv head
+a unit), how many chunks the head dim is cut into (``d_chunks``), how many units a program loops over
+(``units``), the warps of a ``block_h == 1`` program and the pipeline depth (``num_stages`` of the unit
+loop: Triton's pipeliner, with the item-table loads ahead of the tile loads, double-buffers the tiles from
+5 on).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dataclasses import dataclass, replace
 from packattn.ops.runtime.launch import overriding
 
 HEAD_DIMS = (64, 128, 256, 512)
-KERNELS = ("mma", "fma")
-_FIELDS = {"h": "block_h", "c": "d_chunks", "u": "units", "w": "num_warps", "s": "num_stages"}
+MAX_ITEMS = 16  # items a unit (key tiles of 16 rows each)
+_FIELDS = {"h": "block_h", "c": "d_chunks", "u": "units", "w": "num_warps", "s": "num_stages", "i": "items"}
 
 
 @dataclass(frozen=True)
@@ -29,23 +30,25 @@ class SmallSeqConfig:
     units: int = 8  # units per program
     num_warps: int = 4  # warps of a block_h == 1 program
     num_stages: int = 5
-    kernel: str = "mma"
+    items: int = 1  # items a unit (a power of two); > 1: stacked query rows (block_h must be 1)
 
     @classmethod
     def parse(cls, text: str) -> SmallSeqConfig:
-        """The config `describe` writes: ``"mma h2 c1 u8 w4 s5"`` (fields in any order, missing ones at their
-        defaults; ``w`` is the warps of a ``block_h == 1`` program) or ``"fma w1"``."""
-        kernel, *fields = text.split()
+        """The config `describe` writes: ``"mma h2 c1 u8 w4 s5"`` or ``"mma h1 c1 u8 w2 s5 i4"`` (fields in
+        any order, missing ones at their defaults; ``w`` is the warps of a ``block_h == 1`` program)."""
+        kernel, *fields = text.split() or [""]
         try:
-            return cls(kernel=kernel, **{_FIELDS[f[0]]: int(f[1:]) for f in fields})
+            if kernel != "mma":
+                raise ValueError
+            return cls(**{_FIELDS[f[0]]: int(f[1:]) for f in fields})
         except (KeyError, ValueError, IndexError):
-            raise ValueError(f"not a small-seq config: {text!r} (e.g. 'mma h2 c1 u8 w4 s5', 'fma w1')") from None
+            raise ValueError(f"not a small-seq config: {text!r} (e.g. 'mma h2 c1 u8 w4 s5', "
+                             "'mma h1 c1 u8 w2 s5 i4')") from None
 
     def describe(self) -> str:
-        if self.kernel == "fma":
-            return f"fma w{self.num_warps}"
         warps = self.block_h if self.block_h > 1 else self.num_warps
-        return f"mma h{self.block_h} c{self.d_chunks} u{self.units} w{warps} s{self.num_stages}"
+        items = f" i{self.items}" if self.items > 1 else ""
+        return f"mma h{self.block_h} c{self.d_chunks} u{self.units} w{warps} s{self.num_stages}{items}"
 
 
 # (head_dim, group bucket) -> config; group buckets: 1 (MHA) and 2+ (GQA/MQA). Chosen from sm_90a compiles
@@ -77,10 +80,13 @@ BWD = {
 PASSES = {"fwd": "FWD", "bwd": "BWD"}
 
 
-def block_g(group: int, backward: bool) -> int:
-    """Rows of the query-head tiles: the group as a power of two; in the backward 1 or >= 16 (its dK/dV
-    products reduce over the group: a dot's reduction is >= 16 long, one row is an outer product)."""
+def block_g(group: int, backward: bool, items: int = 1) -> int:
+    """Rows of an item's query-head tile: the group as a power of two; in the backward (its dK/dV products
+    reduce over the rows of a unit: a dot's reduction is >= 16 long) ``items`` of them make >= 16 rows, and
+    one item alone 1 row (an outer product) or >= 16."""
     g = 1 << (group - 1).bit_length()
+    if backward and items > 1:
+        return max(g, 16 // min(items, 16))
     return max(g, 16) if backward and g > 1 else g
 
 
@@ -100,9 +106,7 @@ def _check_tables() -> None:
         table = getattr(sys.modules[__name__], name)
         for (head_dim, bucket), c in table.items():
             where = f"{name}[{head_dim}, {bucket}] = {c}"
-            if c.kernel not in KERNELS:
-                raise ValueError(f"{where}: kernel must be one of {KERNELS}")
-            for field in ("block_h", "d_chunks", "num_warps"):
+            for field in ("block_h", "d_chunks", "num_warps", "items"):
                 value = getattr(c, field)
                 if value < 1 or value & (value - 1):
                     raise ValueError(f"{where}: {field} must be a power of two")
@@ -110,6 +114,8 @@ def _check_tables() -> None:
                 raise ValueError(f"{where}: d_chunks must leave chunks of >= 16 columns")
             if c.units < 1 or c.num_stages < 1:
                 raise ValueError(f"{where}: units and num_stages must be >= 1")
+            if c.items > 1 and (c.block_h > 1 or c.items > MAX_ITEMS):
+                raise ValueError(f"{where}: items > 1 takes block_h 1 and at most {MAX_ITEMS} items")
 
 
 @contextlib.contextmanager

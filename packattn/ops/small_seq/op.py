@@ -1,9 +1,9 @@
 """The small-sequence op (one query over at most 16 keys per sequence): item tables, launchers,
 ``torch.library`` custom ops, and the limits of its kernels.
 
-Kernels live in `packattn.ops.small_seq.kernels_mma` (tensor cores, the default) and
-`packattn.ops.small_seq.kernels` (CUDA cores); `packattn.ops.small_seq.configs` picks one and its launch
-shape per pass, head dim and GQA group. A batch is a list of *items* described by an int32 table
+Kernels live in `packattn.ops.small_seq.kernels_mma` (tensor cores; units of one item) and
+`packattn.ops.small_seq.kernels_stack` (units of several items' query rows stacked in one tile);
+`packattn.ops.small_seq.configs` picks one and its launch shape per pass, head dim and GQA group. A batch is a list of *items* described by an int32 table
 ``(3, items)`` with rows ``q_rows`` (physical row of the item's query, -1 when it has none),
 ``kv_starts`` (physical row of its first key) and ``kv_lens`` (0..16). For a `Varlen` it is built
 with device ops only (no host sync) and cached on the descriptor; for a dense ``(B, S, H, D)``
@@ -75,10 +75,12 @@ _shrunk: dict = {}  # (pass, config, head_dim, group, heads_kv, dtype) -> the sm
 
 def _smaller(config: configs.SmallSeqConfig) -> configs.SmallSeqConfig | None:
     """What to try when ``config`` needs more shared memory than an SM has: fewer kv heads per unit, then
-    one pipeline buffer, then no pipelining; None: nothing smaller."""
-    if config.kernel == "mma" and config.block_h > 1:
+    fewer items per unit, then one pipeline buffer, then no pipelining; None: nothing smaller."""
+    if config.block_h > 1:
         return replace(config, block_h=config.block_h // 2)
-    if config.kernel == "mma" and config.num_stages > 1:
+    if config.items > 1:
+        return replace(config, items=config.items // 2)
+    if config.num_stages > 1:
         return replace(config, num_stages=3 if config.num_stages > 3 else 1)
     return None
 
@@ -86,8 +88,8 @@ def _smaller(config: configs.SmallSeqConfig) -> configs.SmallSeqConfig | None:
 def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: int, group: int,
             dtype: torch.dtype, head_dim: int, extra: dict) -> None:
     """Launch pass ``kind`` ("fwd" / "bwd") with its config (`_smaller` ones where it does not fit an SM):
-    ``args`` are the tensors and strides, ``scalars`` the trailing ``(heads_kv, group, ...)`` arguments of
-    the CUDA-core kernel."""
+    ``args`` are the tensors and strides, ``scalars`` the trailing ``(heads_kv, group, ...)`` arguments
+    (``heads_kv`` goes as constexpr ``HEAD_BLOCKS``: the stacked kernels take ``num_items`` there)."""
     if num_items == 0:
         return
     if interpreting():
@@ -111,26 +113,24 @@ def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: in
 
 def _launch_config(kind: str, config: configs.SmallSeqConfig, args: tuple, scalars: tuple, num_items: int,
                    heads_kv: int, group: int, dtype: torch.dtype, head_dim: int, extra: dict) -> None:
-    if config.kernel == "fma":
-        from packattn.ops.small_seq import kernels
+    from packattn.ops.small_seq import kernels_mma, kernels_stack
 
-        kernel = kernels.small_seq_fwd_kernel if kind == "fwd" else kernels.small_seq_bwd_kernel
-        grid = (num_items * heads_kv,)
-        kwargs = dict(extra, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=MAX_KEYS,
-                      num_warps=1 if interpreting() else config.num_warps, num_stages=1)
-        fast_launch.launch(kernel, grid, (*args, *scalars), kwargs)
-        return
-    from packattn.ops.small_seq import kernels_mma
-
-    kernel = kernels_mma.small_seq_fwd_mma_kernel if kind == "fwd" else kernels_mma.small_seq_bwd_mma_kernel
     bh = configs.block_h(config, heads_kv)
     head_blocks = -(-heads_kv // bh)
-    num_units = num_items * head_blocks
-    grid = (-(-num_units // config.units),)
     kwargs = dict(extra, BLOCK_D=head_dim // config.d_chunks, D_CHUNKS=config.d_chunks, BLOCK_S=MAX_KEYS,
-                  BLOCK_G=configs.block_g(group, kind == "bwd"), BLOCK_H=bh, HEAD_BLOCKS=head_blocks,
+                  BLOCK_G=configs.block_g(group, kind == "bwd", config.items), HEAD_BLOCKS=head_blocks,
                   STAGES=config.num_stages, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                   num_warps=bh if bh > 1 else config.num_warps, num_stages=1)
+    if config.items > 1:
+        kernel = kernels_stack.small_seq_fwd_stack_kernel if kind == "fwd" else kernels_stack.small_seq_bwd_stack_kernel
+        num_units = -(-num_items // config.items) * heads_kv
+        kwargs["STACK"] = config.items
+        scalars = (num_items, *scalars[1:])
+    else:
+        kernel = kernels_mma.small_seq_fwd_mma_kernel if kind == "fwd" else kernels_mma.small_seq_bwd_mma_kernel
+        num_units = num_items * head_blocks
+        kwargs["BLOCK_H"] = bh
+    grid = (-(-num_units // config.units),)
     fast_launch.launch(kernel, grid, (*args, num_units, config.units, *scalars), kwargs)
 
 
