@@ -53,7 +53,7 @@ from packattn.ops.varlen.configs import GluonBwdConfig  # noqa: E402
 from packattn.ops.varlen.launch_sm90 import dkdv_resources, dq_resources  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gluon_compile import sass_register_regions  # noqa: E402
+from check_gluon_compile import parse_dims, sass_register_regions  # noqa: E402
 from ptx_identity import kernel_signature  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,11 +208,34 @@ def overlap_proof(compiled, carries_ds: bool = True) -> tuple[bool, str]:
     return ir_ok and ptx_ok, detail
 
 
+def _parse_dims(text: str):
+    """``"d"`` -> d (an int) for a power of two; ``"d:d_v"`` or a d in column parts -> ``(d, d_v)``."""
+    d, dv = parse_dims(text)
+    return d if d == dv and d & (d - 1) == 0 else (d, dv)
+
+
+def _check_parts(kernel: str, dtype_name: str, dims, args, config) -> int:
+    """Check the part kernel variants of ``dims`` (`check_gluon_bwd_parts_compile.check`); returns the failures."""
+    import check_gluon_bwd_parts_compile as parts
+
+    cfg = config or parts.PROPOSED[dims][kernel == "dq"]
+    if args.tree and kernel != "dkdv":
+        return 0
+    failures = 0
+    for mask in ["tree"] if args.tree else args.masks:
+        ok, text = parts.check(kernel, dtype_name, dims, mask, cfg, args.tree, kernel == "dq")
+        failures += not ok
+        print(text, flush=True)
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(configs.GLUON_HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=_parse_dims, default=list(configs.GLUON_HEAD_DIMS),
+                        help="head dims d, or d:d_v; dims in column parts / MLA go to check_gluon_bwd_parts_compile "
+                             "(its PROPOSED configs unless --config)")
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", default=None,
                         help="block_m,block_n,stages,num_warps instead of the launchers' configuration, "
@@ -229,6 +252,9 @@ def main() -> int:
     for kernel in args.kernels:
         for dtype_name in args.dtypes:
             for head_dim in args.head_dims:
+                if not isinstance(head_dim, int):  # the part kernels (scripts/check_gluon_bwd_parts_compile.py)
+                    failures += _check_parts(kernel, dtype_name, head_dim, args, config)
+                    continue
                 for mask in [""] if args.tree else args.masks:
                     mask_name = "tree" if args.tree else mask
                     label = f"{kernel:4s} {dtype_name} d={head_dim} mask={mask_name or '-':4s}"

@@ -22,6 +22,7 @@ from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
                                          dkdv_splits_head_dim, heads_per_section)
+from packattn.ops.varlen.launch_sm90_bwd_parts import gluon_dkdv_parts, gluon_dq_parts, in_parts
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -171,8 +172,11 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
     tree = key_end is not None
     if tree:
         mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
-    res = dkdv_resources(cfg, q.shape[-1])
     section = heads_per_section(q.shape[1], q.shape[1] // heads_kv, short_seqs) * heads_kv // q.shape[1]  # kv heads
+    if in_parts(q.shape[-1], v.shape[-1]):  # column parts / a value head dim of its own
+        return gluon_dkdv_parts(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale, mask, cfg, section,
+                                part_descriptors, key_end)
+    res = dkdv_resources(cfg, q.shape[-1])
     args = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
             _descriptor(dout, cfg.block_m), lse, delta, dk, dv, tiles, *seq_args,
             key_end if tree else tiles,  # KeyEnd: any int32 pointer without the tree mask
@@ -205,6 +209,11 @@ def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask:
         dq.zero_()
         return
     lse, delta = lse.contiguous(), delta.contiguous()
+    if in_parts(q.shape[-1], v.shape[-1]):  # column parts / a value head dim of its own
+        if heads_q * tiles.shape[0] >= 2**30:
+            raise ValueError(f"too many dQ work items ({num_work})")
+        return gluon_dq_parts(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale, mask, cfg,
+                              heads_per_section(heads_q, heads_q // k.shape[1], short_seqs), part_descriptors, out)
     descs = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
              _descriptor(dout, cfg.block_m))
     rest = (lse, delta, dq, tiles, *seq_args, *dq.stride()[:2], lse.stride()[0],

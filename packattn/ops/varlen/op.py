@@ -77,8 +77,9 @@ def bwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, short_seqs: bool
     """The backward passes on these tensors: the Gluon dK/dV (`configs.dkdv_config`) and dQ (`configs.dq_config`)
     where the sm_90 kernels may run (`sm90.sm90_runs`, strides aside: the launchers copy), else the Triton ones."""
     gluon = sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES)
-    dkdv = configs.dkdv_config(q.shape[-1], q.shape[1] // k.shape[1]) if gluon else None
-    dq = configs.dq_config(q.shape[-1], short_seqs) if gluon else None
+    key = dims_key(q.shape[-1], v.shape[-1])  # MLA: the tables name (d, d_v)
+    dkdv = configs.dkdv_config(key, q.shape[1] // k.shape[1]) if gluon else None
+    dq = configs.dq_config(key, short_seqs) if gluon else None
     triton_dkdv = dkdv or configs.triton_config("dkdv", q, v)
     triton_dq = dq or configs.triton_config("dq", q, v)
     return BwdPlan(dkdv, dq, (triton_dkdv.block_n, triton_dkdv.block_m, dkdv is not None),

@@ -1,0 +1,205 @@
+"""GPU check of the warp-specialised Gluon backward at head dims in column parts and with a value head dim of its own
+(`packattn.ops.varlen.bwd_dkdv_sm90_parts`, `bwd_dq_sm90_parts`): d = 96, 192, MLA 192/128 and 128/64.
+
+On main these dims are gated off (`configs.GLUON_HEAD_DIMS` is (64, 128, 256)): the backward runs the Triton
+passes. This script enables them with `configs.override(**OVERRIDE)` (the proposed configs in `DKDV` / `DQ`, which
+scripts/check_gluon_bwd_parts_compile.py compiles for sm_90a) and checks:
+
+* the plan: `op.bwd_plan` picks the Gluon passes and `op.fuses_delta` (the dQ computes delta);
+* correctness: `packattn.attention` forward + backward against the float32 reference (tests/gpu
+  `check_against_reference`: relative L2 < 1e-2 of out, lse, dq, dk, dv; lse = -inf on the same rows; no NaN) on
+  lengths that are not multiples of the blocks, with empty and length-1 sequences and padding between
+  sequences; bf16: causal, top-left causal with a window, a chunk, a two-sided window, no mask at GQA 32/8, and
+  causal at MHA 8/8; fp16: causal at GQA;
+* determinism: the ``deterministic=True`` backward run twice on W1-style lengths is bitwise the same;
+* timing: forward + backward on W1-style lengths (`doc_lengths(32768, 0)`, 16384 tokens for d >= 192), heads
+  16/4, bf16, causal, with the override (Gluon backward) and without (the Triton backward; the forward is Gluon in
+  both), median of CUDA-event timings, TF/s on useful FLOPs (``2 (d + d_v) * 2.5`` per visible pair and head).
+
+    export PYTHONPATH=$PWD; python scripts/gluon_bwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import packattn  # noqa: E402
+from packattn.bench.workloads import doc_lengths  # noqa: E402
+from packattn.ops.varlen import configs, op  # noqa: E402
+from packattn.ops.varlen.configs import GluonBwdConfig as C  # noqa: E402
+from packattn.varlen import Varlen  # noqa: E402
+
+# (d, d_v) -> proposed configs (scripts/check_gluon_bwd_parts_compile.py: no spills under every mask, tree too).
+# dK/dV: 96 and 128/64 two consumers of 64 keys (dK + dV 96 float32 registers each); 192 and 192/128 two consumers
+# splitting the head dim of one 64-key tile (SPLIT_D: consumer 0 the 128-column parts, 1 the 64-column ones),
+# 32-query steps. dQ (computing delta, with O in shared memory): 192 one consumer (as d = 256 on main).
+DKDV = {96: C(64, 128, 2, 8), 192: C(32, 64, 3, 8), (192, 128): C(32, 64, 3, 8), (128, 64): C(64, 128, 2, 8)}
+DQ = {96: C(128, 64, 3, 8), 192: C(64, 64, 3, 4), (192, 128): C(128, 64, 2, 8), (128, 64): C(128, 64, 4, 8)}
+# other configs that compile without spills, checked (causal, bf16) and timed beside: (pass, config) per dims;
+# one-consumer dK/dV tiles run two CTAs per SM (as d = 128 on main), 192/128 without the head-dim split
+ALTERNATIVES = {96: [("dkdv", C(64, 64, 2, 4)), ("dq", C(128, 128, 2, 8))], (128, 64): [("dkdv", C(64, 64, 2, 4))],
+                (192, 128): [("dkdv", C(32, 128, 2, 8))]}
+
+
+def override_tables() -> dict:
+    """The `configs.override` keywords that enable the part kernels at the dims of `DKDV` / `DQ`."""
+    return dict(GLUON_HEAD_DIMS=tuple(configs.GLUON_HEAD_DIMS) + tuple(DKDV),
+                DKDV_CONFIGS={**configs.DKDV_CONFIGS, **DKDV}, DQ_CONFIGS={**configs.DQ_CONFIGS, **DQ})
+
+
+MASKS = {"causal": {"causal": True}, "tl-window": {"causal": "top_left", "window": (100, 0)},
+         "chunk": {"chunk_size": 100}, "window": {"window": (70, 30)}, "none": {}}
+NASTY_Q = [300, 1, 0, 64, 65, 500, 129, 37, 1000]
+NASTY_KV = [200, 5, 40, 64, 1, 500, 300, 0, 1100]
+
+
+def parse_dims(text: str) -> tuple[int, int]:
+    parts = [int(x) for x in text.split(":")]
+    return parts[0], parts[-1]
+
+
+def key(dims):
+    return dims[0] if dims[0] == dims[1] else dims
+
+
+def make_inputs(seqs: Varlen, heads, dims, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    (hq, hkv), (d, dv) = heads, dims
+
+    def rand(rows, h, width, grad=True):
+        x = torch.randn(rows, h, width, device="cuda", generator=gen).to(dtype)
+        return x.requires_grad_() if grad else x
+
+    return (rand(seqs.total_q, hq, d), rand(seqs.total_kv, hkv, d), rand(seqs.total_kv, hkv, dv),
+            rand(seqs.total_q, hq, dv, grad=False))
+
+
+def plan_line(dims) -> tuple[bool, str]:
+    seqs = Varlen.from_lengths([1000, 300], device="cuda")
+    q, k, v, _ = make_inputs(seqs, (8, 2), dims)
+    plan = op.bwd_plan(q, k, v)
+    want = (DKDV[key(dims)], DQ[key(dims)])
+    ok = (plan.dkdv, plan.dq) == want and op.fuses_delta(plan, None)
+    return ok, (f"{'ok  ' if ok else 'FAIL'} plan d={dims[0]}/{dims[1]}: dkdv {plan.dkdv} dq {plan.dq} "
+                f"fuses_delta {op.fuses_delta(plan, None)}")
+
+
+def correctness(all_dims) -> int:
+    from tests.gpu.test_triton_varlen_gpu import check_against_reference
+
+    seqs = Varlen.from_lengths(NASTY_Q, NASTY_KV, pad_to_multiple=16, device="cuda")
+    bad = 0
+    for dims in all_dims:
+        ok, text = plan_line(dims)
+        bad += not ok
+        print(text, flush=True)
+        cases = [(torch.bfloat16, (32, 8), m) for m in MASKS] + [(torch.bfloat16, (8, 8), "causal"),
+                                                                 (torch.float16, (32, 8), "causal")]
+        for dtype, heads, mask in cases:
+            label = f"d={dims[0]}/{dims[1]:<4d} {str(dtype)[6:]:8s} {heads[0]}/{heads[1]:<2d} {mask:9s}"
+            try:
+                check_against_reference(*make_inputs(seqs, heads, dims, dtype), seqs, **MASKS[mask])
+                print(f"ok   {label}", flush=True)
+            except AssertionError as e:
+                bad += 1
+                print(f"FAIL {label}: {str(e)[:300]}", flush=True)
+        for name, cfg in ALTERNATIVES.get(key(dims), []):
+            label = f"d={dims[0]}/{dims[1]:<4d} {name} {_cfg(cfg)} bfloat16 32/8 causal"
+            try:
+                with configs.override(**{name: cfg}):
+                    check_against_reference(*make_inputs(seqs, (32, 8), dims), seqs, causal=True)
+                print(f"ok   {label}", flush=True)
+            except AssertionError as e:
+                bad += 1
+                print(f"FAIL {label}: {str(e)[:300]}", flush=True)
+    return bad
+
+
+def _cfg(cfg) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}w{cfg.num_warps}"
+
+
+def fwd_bwd(q, k, v, dout, seqs, **opts):
+    out = packattn.attention(q, k, v, seqs, backend="triton", **opts)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def determinism(all_dims) -> int:
+    bad = 0
+    for dims in all_dims:
+        seqs = Varlen.from_lengths(doc_lengths(8192, seed=1), pad_to_multiple=64, device="cuda")
+        q, k, v, dout = make_inputs(seqs, (16, 4), dims)
+        first = fwd_bwd(q, k, v, dout, seqs, causal=True, deterministic=True)
+        second = fwd_bwd(q, k, v, dout, seqs, causal=True, deterministic=True)
+        same = all(torch.equal(a, b) for a, b in zip(first, second))
+        bad += not same
+        print(f"{'ok  ' if same else 'FAIL'} deterministic backward bitwise twice d={dims[0]}/{dims[1]}", flush=True)
+    return bad
+
+
+def median_ms(fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def timing(all_dims) -> list[tuple]:
+    rows = []
+    for dims in all_dims:
+        lengths = doc_lengths(16384 if dims[0] >= 192 else 32768, 0)
+        seqs = Varlen.from_lengths(lengths, device="cuda")
+        q, k, v, dout = make_inputs(seqs, (16, 4), dims)
+        flops = 2.5 * 2 * (dims[0] + dims[1]) * sum(n * (n + 1) // 2 for n in lengths) * 16
+
+        def run(q=q, k=k, v=v, dout=dout, seqs=seqs):
+            fwd_bwd(q, k, v, dout, seqs, causal=True)
+
+        t_ms = median_ms(run)  # main's gating: Gluon forward, Triton backward
+        variants = [({}, f"{_cfg(DKDV[key(dims)])} / {_cfg(DQ[key(dims)])}")]
+        variants += [({name: cfg}, f"{name} {_cfg(cfg)}") for name, cfg in ALTERNATIVES.get(key(dims), [])]
+        for forced, label in variants:
+            with configs.override(**override_tables(), **forced):
+                g_ms = median_ms(run)
+            rows.append((dims, label, g_ms, flops / g_ms / 1e9, t_ms, flops / t_ms / 1e9))
+            print(f"timed d={dims[0]}/{dims[1]} {label}: gluon bwd {g_ms:.3f} ms, triton bwd {t_ms:.3f} ms",
+                  flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", nargs="+", type=parse_dims, default=[(96, 96), (192, 192), (192, 128), (128, 64)])
+    parser.add_argument("--no-time", action="store_true")
+    args = parser.parse_args()
+    started = time.time()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    with configs.override(**override_tables()):
+        bad = correctness(args.dims)
+        bad += determinism(args.dims)
+    rows = [] if args.no_time else timing(args.dims)
+    print(f"\n{'dims':9s} {'config dkdv / dq':24s} {'gluon ms':>9s} {'TF/s':>6s} {'triton ms':>9s} {'TF/s':>6s} "
+          f"{'ratio':>6s}  (f+b, Gluon forward in both)")
+    for dims, label, g_ms, g_tf, t_ms, t_tf in rows:
+        print(f"{dims[0]}/{dims[1]:<5d} {label:24s} {g_ms:9.3f} {g_tf:6.0f} {t_ms:9.3f} {t_tf:6.0f} {t_ms / g_ms:6.2f}")
+    print(f"{'FAILED' if bad else 'PASSED'}: {bad} failure(s), {time.time() - started:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
