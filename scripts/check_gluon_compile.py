@@ -17,6 +17,8 @@ without a GPU, for every mask combination and head dim, and check what matters b
                                           # two column parts (`packattn.ops.varlen.fwd_sm90_parts`)
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
     python scripts/check_gluon_compile.py --config 64,64,3,4      # block_m,block_n,stages,num_warps[,trim]
+    python scripts/check_gluon_compile.py --head-dims 256 --config 128,32,3,8,lazy=8   # lazy rescaling
+    python scripts/check_gluon_compile.py --head-dims 64 --config 128,128,4,8,poly=1   # 1 of 4 exp2 on the FMA pipe
     python scripts/check_gluon_compile.py --selected              # every table entry of packattn.ops.varlen.configs
 """
 
@@ -44,7 +46,11 @@ from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
 from packattn.ops.varlen.fwd_sm90_parts import part_hi  # noqa: E402
-from packattn.ops.varlen.launch_sm90 import fwd_resources, shared_bytes  # noqa: E402
+from packattn.ops.varlen.launch_sm90 import (  # noqa: E402
+    fwd_resources,
+    fwd_variant_constexprs,
+    shared_bytes,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
@@ -61,11 +67,23 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
 
 
 def parse_config(text: str) -> GluonConfig:
-    """``"block_m,block_n,stages,num_warps[,trim]"`` as a `GluonConfig`."""
+    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,poly=K]"`` as a `GluonConfig` (``lazy=T``:
+    ``rescale_threshold=T``, ``poly=K``: ``poly_exp2=K``)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if len(parts) not in (4, 5) or parts[4:] not in ([], ["trim"]):
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim]")
-    return GluonConfig(*(int(x) for x in parts[:4]), trim=len(parts) == 5)
+    extra = {"trim": False}
+    for part in parts[4:]:
+        name, _, value = part.partition("=")
+        if part == "trim":
+            extra["trim"] = True
+        elif name == "lazy" and value:
+            extra["rescale_threshold"] = float(value)
+        elif name == "poly" and value.isdigit():
+            extra["poly_exp2"] = int(value)
+        else:
+            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,poly=K]")
+    if len(parts) < 4:
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,poly=K]")
+    return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 
 def parse_dims(text: str) -> tuple[int, int]:
@@ -86,7 +104,9 @@ def table_key(dims: tuple[int, int]):
 
 
 def label_of(cfg: GluonConfig) -> str:
-    return f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
+    return (f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
+            + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}")
+            + (f",poly={cfg.poly_exp2}" if cfg.poly_exp2 else ""))
 
 
 def selected_configs(dims) -> list[GluonConfig]:
@@ -122,7 +142,7 @@ def compile_variant(dtype_name: str, dims, mask: str, cfg=None):
     constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       TRIM=cfg.trim, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-                      num_warps=4)
+                      num_warps=4, **fwd_variant_constexprs(cfg))
     blocks = part_blocks((d, dv), cfg.block_m, cfg.block_n)
     constexprs.update({name: None for name, block in blocks.items() if block is None})
     options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}
@@ -239,6 +259,39 @@ def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
     return ir_ok and ptx_ok, detail, stats
 
 
+def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
+    """``(in key-block loops, in all)``: local-memory (spill) instructions of the SASS, and those inside an
+    innermost loop that issues wgmma (a backward branch whose body holds HGMMA and no other such loop)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=False).stdout
+    finally:
+        os.unlink(f.name)
+    labels, ins, pending = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            labels.update({name: int(m.group(1), 16) for name in pending})
+            pending = []
+            ins.append((int(m.group(1), 16), m.group(2)))
+    local = [a for a, text in ins if re.search(r"\b(?:LDL|STL)\b", text)]
+    loops = []
+    for a, text in ins:
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if target and labels.get(target.group(1), a) < a:
+            lo = labels[target.group(1)]
+            if any("HGMMA" in x for b, x in ins if lo <= b <= a):
+                loops.append((lo, a))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a2 < b2 <= hi and (a2, b2) != (lo, hi) for a2, b2 in loops)]
+    return sum(any(lo <= a <= hi for lo, hi in inner) for a in local), len(local)
+
+
 def sass_register_regions(cubin: bytes) -> list[tuple[int, int, int]]:
     """``(register limit, registers used, instructions)`` for each stretch of SASS between two
     ``USETMAXREG`` (setmaxnreg) instructions, in program order, stretches of fewer than 40
@@ -322,6 +375,9 @@ def compiled_report(compiled, label: str, stem: str, dump: str | None = None) ->
                      + (" OVER BUDGET" if over else ""))
     for st in loops:
         lines.append("      " + " ".join(f"{k}={v}" for k, v in st.items()))
+    if spills and int(spills.group(1)) > 0:
+        in_loops, total = sass_spill_accesses(compiled.asm["cubin"])
+        lines.append(f"    spill accesses (LDL/STL): {in_loops} of {total} inside the wgmma loops")
     lines += [f"    ptxas: {w}" for w in warnings]
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -344,7 +400,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim]")
+                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,poly=K]")
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -18,11 +18,21 @@ Last: whether the dispatch plan (`op.forward_plan`) picks the Gluon forward at t
 proposed with this script), and if so that ``packattn.attention`` gives the direct call's output bit for bit.
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
+
+``--opt-in``: instead, the opt-in softmax variants of `GluonConfig` (`OPT_IN`: lazy rescaling ``rescale_threshold``,
+exp2 on the FMA pipe ``poly_exp2``) on each dim's table config, at every forward head dim (64, 96, 128, 192, 256,
+MLA) and mask (causal both alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores
+grow along the keys (q x 2, key t of a sequence x (1 + 3 t / len): the running max moves by more than the
+threshold, so the rescale branch runs both ways), fp16 causal too; each line gives the table config's errors
+beside. ~60 compiles.
+
+    export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py --opt-in [--dims 64 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -52,7 +62,17 @@ CANDIDATES = {
 }
 LENGTHS_Q = [0, 1, 37, 200, 129, 333, 64, 17, 700]
 LENGTHS_KV = [5, 1, 37, 260, 129, 333, 40, 17, 700]
-MASKS = {"causal": {"causal": True}, "causal-tl": {"causal": "top_left"}, "none": {}, "window": {"window": (100, 30)}}
+MASKS = {"causal": {"causal": True}, "causal-tl": {"causal": "top_left"}, "none": {}, "window": {"window": (100, 30)},
+         "chunk": {"causal": True, "chunk_size": 96}}
+# --opt-in: variant -> (GluonConfig fields, the dims it runs at (None: all), masks)
+OPT_IN = {
+    "lazy8": ({"rescale_threshold": 8.0}, None, ("causal", "causal-tl", "none", "window", "chunk")),
+    "lazy0": ({"rescale_threshold": 0.0}, ((64, 64), (256, 256), (192, 128)), ("causal", "window")),
+    "poly1": ({"poly_exp2": 1}, ((64, 64), (96, 96), (128, 128), (128, 64)), ("causal", "none", "window")),
+    "poly2": ({"poly_exp2": 2}, ((64, 64),), ("causal", "chunk")),
+    "lazy8+poly1": ({"rescale_threshold": 8.0, "poly_exp2": 1}, ((64, 64), (128, 128)), ("causal", "window")),
+}
+ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)
 _MASK_CACHE: dict = {}
 DEVICE = "cuda"
@@ -63,13 +83,17 @@ def parse_dims(text: str) -> tuple[int, int]:
     return parts[0], parts[-1]
 
 
-def inputs(seqs: Varlen, heads: tuple[int, int], dims: tuple[int, int], dtype, seed: int = 0):
+def inputs(seqs: Varlen, heads: tuple[int, int], dims: tuple[int, int], dtype, seed: int = 0, ramp: bool = False):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     (hq, hkv), (d, dv) = heads, dims
-    q = torch.randn(seqs.total_q, hq, d, device=DEVICE, generator=gen).to(dtype)
-    k = torch.randn(seqs.total_kv, hkv, d, device=DEVICE, generator=gen).to(dtype)
-    v = torch.randn(seqs.total_kv, hkv, dv, device=DEVICE, generator=gen).to(dtype)
-    return q, k, v
+    q = torch.randn(seqs.total_q, hq, d, device=DEVICE, generator=gen)
+    k = torch.randn(seqs.total_kv, hkv, d, device=DEVICE, generator=gen)
+    v = torch.randn(seqs.total_kv, hkv, dv, device=DEVICE, generator=gen)
+    if ramp:  # scores that grow along each sequence's keys: the running max keeps moving
+        lengths = seqs.cu_seqlens_kv.diff().tolist()
+        pos = torch.cat([torch.arange(n, device=DEVICE) / max(n, 1) for n in lengths])
+        q, k = q * 2, k * (1 + 3 * pos)[:, None, None]
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def reference(q, k, v, lengths_q, lengths_kv, mask_kw: dict, scale: float):
@@ -131,18 +155,23 @@ def errors(out, lse, ref_out, ref_lse) -> tuple[str | None, float, float]:
     return None, rel, lse_err
 
 
-def check_case(dims, cfg, dtype, heads, mask_name, seqs) -> tuple[bool, str]:
+def check_case(dims, cfg, dtype, heads, mask_name, seqs, ramp: bool = False, beside=None) -> tuple[bool, str]:
+    """One correctness case; ``beside``: a config whose errors on the same inputs are printed beside (instead of
+    the Triton forward's under the causal mask)."""
     mask_kw = MASKS[mask_name]
     mask = Mask.make(**mask_kw)
-    q, k, v = inputs(seqs, heads, dims, dtype)
+    q, k, v = inputs(seqs, heads, dims, dtype, ramp=ramp)
     scale = 1.0 / math.sqrt(dims[0])
     ref_out, ref_lse = reference(q, k, v, LENGTHS_Q, LENGTHS_KV, mask_kw, scale)
     problem, rel, lse_err = errors(*run_gluon(q, k, v, seqs, mask, cfg, scale), ref_out, ref_lse)
     tol_out, tol_lse = TOL[dtype]
     ok = problem is None and rel <= tol_out and lse_err <= tol_lse
     name = f"d={dims[0]}/{dims[1]:<4d} {_cfg(cfg):10s} {str(dtype)[6:]:8s} {f'{heads[0]}/{heads[1]}':5s} {mask_name:9s}"
-    text = f"{'ok  ' if ok else 'FAIL'} {name} out rel L2 {rel:.2e} lse err {lse_err:.1e}"
-    if mask_name == "causal":  # the Triton forward's errors beside (one Triton compile per dim and dtype)
+    text = f"{'ok  ' if ok else 'FAIL'} {name}{' ramp' if ramp else ''} out rel L2 {rel:.2e} lse err {lse_err:.1e}"
+    if beside is not None:
+        _, b_rel, b_lse = errors(*run_gluon(q, k, v, seqs, mask, beside, scale), ref_out, ref_lse)
+        text += f" (table config: {b_rel:.2e}, {b_lse:.1e})"
+    elif mask_name == "causal":  # the Triton forward's errors beside (one Triton compile per dim and dtype)
         _, t_rel, t_lse = errors(*run_triton(q, k, v, seqs, mask, scale), ref_out, ref_lse)
         text += f" (triton: {t_rel:.2e}, {t_lse:.1e})"
     return ok, text + (f" {problem}" if problem else "")
@@ -182,8 +211,32 @@ def correctness(all_dims) -> int:
     return bad
 
 
+def opt_in_correctness(all_dims) -> int:
+    """`OPT_IN` variants on each dim's table config against the float64 reference (module docstring)."""
+    seqs = Varlen.from_lengths(LENGTHS_Q, LENGTHS_KV, device=DEVICE)
+    cases = []
+    for fields, dims_list, masks in OPT_IN.values():
+        for dims in all_dims:
+            if dims_list is not None and dims not in dims_list:
+                continue
+            base = configs.CONFIGS[dims[0] if dims[0] == dims[1] else dims]
+            cfg = dataclasses.replace(base, **fields)
+            cases += [(dims, cfg, torch.bfloat16, (32, 8), m, False, base) for m in masks]
+            cases += [(dims, cfg, torch.bfloat16, (32, 8), "causal", True, base),
+                      (dims, cfg, torch.float16, (8, 8), "causal", True, base)]
+    bad = 0
+    for dims, cfg, dtype, heads, mask_name, ramp, base in cases:
+        ok, text = check_case(dims, cfg, dtype, heads, mask_name, seqs, ramp, base)
+        bad += not ok
+        print(text, flush=True)
+    print(f"{len(cases) - bad} of {len(cases)} opt-in correctness cases ok", flush=True)
+    return bad
+
+
 def _cfg(cfg: GluonConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}" + ("t" if cfg.trim else "")
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}" + ("t" if cfg.trim else "")
+            + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}")
+            + (f" poly{cfg.poly_exp2}" if cfg.poly_exp2 else ""))
 
 
 def median_ms(fn, iters: int = 15) -> float:
@@ -243,10 +296,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", nargs="+", type=parse_dims, default=list(CANDIDATES))
     parser.add_argument("--no-time", action="store_true")
+    parser.add_argument("--opt-in", action="store_true", help="check the opt-in softmax variants (OPT_IN) instead")
     args = parser.parse_args()
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     check_reference_against_oracle()
+    if args.opt_in:
+        bad = opt_in_correctness(args.dims if "--dims" in sys.argv else ALL_DIMS)
+        print(f"{'FAILED' if bad else 'PASSED'}: {bad} correctness failure(s), {time.time() - started:.0f} s")
+        return 1 if bad else 0
     bad = correctness(args.dims)
     rows = [] if args.no_time else timing(args.dims)
     plans = plan_check(args.dims)

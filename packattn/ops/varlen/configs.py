@@ -136,12 +136,23 @@ class GluonConfig:
     # each consumer warp group skips the products of the tile's key blocks in which no key is visible to any of
     # its 64 rows (with 64-key blocks: the causal diagonal's second block for a 128-row tile's first rows)
     trim: bool = False
+    # opt-in softmax variants (defaults: off, the kernel's code as without them). rescale_threshold (log2 units):
+    # lazy rescaling, a row's running max moves only when a block's max exceeds it by more than this (P <= 2^t:
+    # at most 15, fp16's P operand), and a consumer warp group skips the O rescale when none of its rows moved.
+    # poly_exp2: this many of every 4 P elements get their exp2 on the FMA pipe (a polynomial), the rest on MUFU.
+    rescale_threshold: float | None = None
+    poly_exp2: int = 0
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
             raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
         if self.stages < 2:
             raise ValueError(f"{self}: stages must be >= 2")
+        t = self.rescale_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
+            raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
+        if isinstance(self.poly_exp2, bool) or self.poly_exp2 not in (0, 1, 2, 3, 4):
+            raise ValueError(f"{self}: poly_exp2 must be 0, 1, 2, 3 or 4 (elements of every 4)")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a

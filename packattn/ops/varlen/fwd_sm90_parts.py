@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
-from packattn.ops.varlen.common_sm90 import _issue_qk, mma_layout
+from packattn.ops.varlen.common_sm90 import _issue_qk, _scale_acc, mma_layout
 from packattn.ops.varlen.common_sm90_ws import _ring_barriers
 
 
@@ -117,10 +117,11 @@ def _issue_qk_parts(q_smem, q_lo, k_bufs, k_lo_bufs, ready, block, s_zero, STAGE
 
 
 @gluon.jit
-def _pv_lo(p_op, alpha, acc_lo, v_lo_buf, o_lo_layout: gl.constexpr):
-    """The value ``lo`` part of one block: rescale ``acc_lo`` by ``alpha`` and issue ``acc_lo += P V_lo`` as an
-    async wgmma group (returns its token); ``p_op`` is the hi part's A operand, re-laid for this accumulator."""
-    acc_lo = acc_lo * gl.convert_layout(alpha, gl.SliceLayout(1, o_lo_layout))[:, None]
+def _pv_lo(p_op, alpha, acc_lo, v_lo_buf, o_lo_layout: gl.constexpr, rescale=True):
+    """The value ``lo`` part of one block: rescale ``acc_lo`` by ``alpha`` (``rescale``: `common_sm90._scale_acc`)
+    and issue ``acc_lo += P V_lo`` as an async wgmma group (returns its token); ``p_op`` is the hi part's A
+    operand, re-laid for this accumulator."""
+    acc_lo = _scale_acc(acc_lo, alpha, rescale, o_lo_layout)
     p_lo = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=o_lo_layout, k_width=2))
     return warpgroup_mma(p_lo, v_lo_buf, acc_lo, is_async=True)
 

@@ -147,7 +147,14 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
     fast_launch.launch(varlen_fwd_gluon_ws_kernel, (ws_grid(q.device, num_work, res, max_programs),), args, dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         **mask_constexprs(mask), CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
-        TRIM=cfg.trim, num_warps=4, maxnreg=res["maxnreg"]))
+        TRIM=cfg.trim, **fwd_variant_constexprs(cfg), num_warps=4, maxnreg=res["maxnreg"]))
+
+
+def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
+    """The forward kernel's constexprs of ``cfg``'s opt-in softmax variants (``RESCALE_THRESHOLD`` None or a
+    float, ``POLY_EXP2``)."""
+    t = cfg.rescale_threshold
+    return {"RESCALE_THRESHOLD": None if t is None else float(t), "POLY_EXP2": cfg.poly_exp2}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
