@@ -12,6 +12,8 @@ scripts/check_gluon_bwd_parts_compile.py compiles for sm_90a) and checks:
   sequences; bf16: causal, top-left causal with a window, a chunk, a two-sided window, no mask at GQA 32/8, and
   causal at MHA 8/8; fp16: causal at GQA;
 * determinism: the ``deterministic=True`` backward run twice on W1-style lengths is bitwise the same;
+* a tree (``backend="triton_tree"``, whose dK/dV follows the varlen plan: the part kernel's ``TREE`` branch) at
+  96 and 192 against the float32 reference (the tree kernels refuse MLA);
 * timing: forward + backward on W1-style lengths (`doc_lengths(32768, 0)`, 16384 tokens for d >= 192), heads
   16/4, bf16, causal, with the override (Gluon backward) and without (the Triton backward; the forward is Gluon in
   both), median of CUDA-event timings, TF/s on useful FLOPs (``2 (d + d_v) * 2.5`` per visible pair and head).
@@ -128,6 +130,29 @@ def _cfg(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}w{cfg.num_warps}"
 
 
+def tree_check(dims) -> tuple[bool, str]:
+    """A packed trie (GRPO-style) through ``backend="triton_tree"``: its dK/dV is the varlen plan's (here the part
+    kernel's ``TREE`` branch), against the float32 reference."""
+    from packattn.bench.workloads import grpo_sequences
+    from packattn.tree import Tree
+    from tests.gpu.test_triton_varlen_gpu import rel_l2
+
+    tree = Tree.from_sequences(grpo_sequences(2, 300, 4, 150), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(tree.total, h, w, device="cuda", generator=gen).bfloat16().requires_grad_()
+               for h, w in ((8, dims[0]), (2, dims[0]), (2, dims[1])))
+    dout = torch.randn(tree.total, 8, dims[1], device="cuda", generator=gen).bfloat16()
+    out = packattn.attention(q, k, v, tree, backend="triton_tree")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = packattn.attention(*leaves, tree, backend="reference")
+    ref_grads = torch.autograd.grad(ref, leaves, dout.float())
+    errors = {name: rel_l2(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
+    ok = all(e < 1e-2 for e in errors.values())
+    return ok, f"{'ok  ' if ok else 'FAIL'} tree d={dims[0]}/{dims[1]} (dK/dV TREE branch) " + \
+        " ".join(f"{n} {e:.1e}" for n, e in errors.items())
+
+
 def fwd_bwd(q, k, v, dout, seqs, **opts):
     out = packattn.attention(q, k, v, seqs, backend="triton", **opts)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
@@ -193,6 +218,10 @@ def main() -> int:
     with configs.override(**override_tables()):
         bad = correctness(args.dims)
         bad += determinism(args.dims)
+        for dims in [d for d in args.dims if d in ((96, 96), (192, 192))]:
+            ok, text = tree_check(dims)
+            bad += not ok
+            print(text, flush=True)
     rows = [] if args.no_time else timing(args.dims)
     print(f"\n{'dims':9s} {'config dkdv / dq':24s} {'gluon ms':>9s} {'TF/s':>6s} {'triton ms':>9s} {'TF/s':>6s} "
           f"{'ratio':>6s}  (f+b, Gluon forward in both)")
