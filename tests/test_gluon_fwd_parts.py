@@ -14,7 +14,7 @@ import torch
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
-from packattn.ops.varlen import configs, launch_sm90
+from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts
 from packattn.ops.varlen.configs import GluonConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def test_forward_launch_passes_the_parts_and_the_value_head_dim(dims, monkeypatc
         assert (lo is None) == (hi == dim) and (lo is None or lo.block_shape == [rows, dim - hi])
     res = launch_sm90.fwd_resources(cfg, d, dv)
     assert kwargs["HEAD_DIM"] == d and kwargs["HEAD_DIM_V"] == dv and args[6] is out
-    assert kwargs["PRODUCER_REGS"] == res["producer_regs"] == launch_sm90.PARTS_PRODUCER_REGS
+    assert kwargs["PRODUCER_REGS"] == res["producer_regs"] == launch_sm90_bwd_parts.PARTS_PRODUCER_REGS
     assert kwargs["CONSUMER_REGS"] == res["consumer_regs"] >= 232
 
 

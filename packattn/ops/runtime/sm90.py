@@ -55,7 +55,7 @@ def sm90_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tma: bool, head
     dtype, d, d_v = q.dtype, q.shape[-1], v.shape[-1]
     if dtype not in dtypes or k.dtype != dtype or v.dtype != dtype or k.shape[-1] != d:
         return False
-    if (d if d == d_v else (d, d_v)) not in head_dims or q.shape[1] % k.shape[1] != 0:
+    if (d if d == d_v else (d, d_v)) not in head_dims or q.shape[1] % k.shape[1] != 0:  # `dims_key`, inlined
         return False
     return not tma or (_tma_compatible(q) and _tma_compatible(k) and _tma_compatible(v))
 

@@ -22,7 +22,7 @@ from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
                                          dkdv_splits_head_dim, heads_per_section)
-from packattn.ops.varlen.launch_sm90_bwd_parts import gluon_dkdv_parts, gluon_dq_parts, in_parts
+from packattn.ops.varlen.launch_sm90_bwd_parts import gluon_dkdv_parts, gluon_dq_parts, in_parts, parts_split
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -34,25 +34,14 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_di
             + 8 * (2 + 2 * cfg.stages))
 
 
-# The producer warp's registers where the forward runs in column parts or with a value head dim of its own
-# (`fwd_sm90_parts`): at 24 (or 32) its extra TMA coordinates, or values live into the partitions, spill
-# (scripts/check_gluon_compile.py); the consumers keep 232 (a d = 192 consumer with 64-key blocks needs ~215).
-PARTS_PRODUCER_REGS = 40
-
-
 @functools.lru_cache(maxsize=None)
 def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None) -> dict:
     """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory; ``head_dim_v``: the
-    value head dim, None: ``head_dim``); outside one power-of-two head dim the producer gets
-    `PARTS_PRODUCER_REGS` and the consumers what is left."""
+    value head dim, None: ``head_dim``); in column parts or with a value head dim of its own (`in_parts`) the
+    producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`)."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    res = ws_split(cfg.num_warps, shared_bytes(cfg, head_dim, head_dim_v=dv))
-    if dv == head_dim and head_dim & (head_dim - 1) == 0:
-        return res
-    consumers = cfg.num_warps // 4
-    idle = res["warps"] // 4 - consumers  # warp groups other than the consumers (the producer's)
-    spare = res["maxnreg"] * res["warps"] - PARTS_PRODUCER_REGS * 4 * idle
-    return dict(res, producer_regs=PARTS_PRODUCER_REGS, consumer_regs=min(256, spare // (4 * consumers)) // 8 * 8)
+    shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
+    return parts_split(cfg.num_warps, shared) if in_parts(head_dim, dv) else ws_split(cfg.num_warps, shared)
 
 
 def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
@@ -215,10 +204,10 @@ def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask:
     if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
         dq.zero_()
         return
+    if num_work >= 2**30:  # the kernels pack the item index into 30 bits
+        raise ValueError(f"too many dQ work items ({num_work})")
     lse, delta = lse.contiguous(), delta.contiguous()
     if in_parts(q.shape[-1], v.shape[-1]):  # column parts / a value head dim of its own
-        if heads_q * tiles.shape[0] >= 2**30:
-            raise ValueError(f"too many dQ work items ({num_work})")
         return gluon_dq_parts(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale, mask, cfg,
                               heads_per_section(heads_q, heads_q // k.shape[1], short_seqs), part_descriptors, out)
     descs = (_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
@@ -229,8 +218,6 @@ def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask:
                   **mask_constexprs(mask))
     from packattn.ops.varlen.bwd_dq_sm90 import varlen_bwd_dq_gluon_ws_kernel
 
-    if num_work >= 2**30:  # the kernel packs the item index into 30 bits
-        raise ValueError(f"too many dQ work items ({num_work})")
     res = dq_resources(cfg, q.shape[-1], delta_from_o)
     section = heads_per_section(heads_q, heads_q // k.shape[1], short_seqs)
     # o_desc: None without delta_from_o (a constant for Triton: no kernel parameter)

@@ -19,8 +19,10 @@ from packattn.ops.varlen.configs import (
     dkdv_splits_head_dim,
 )
 
-# The producer warp's registers in the part kernels: as the forward's (`launch_sm90.PARTS_PRODUCER_REGS`), its
-# extra TMA coordinates spill at 24 (scripts/check_gluon_bwd_parts_compile.py).
+# The producer warp's registers in the part kernels, forward (`launch_sm90.fwd_resources`) and backward: at 24 (or
+# 32) its extra TMA coordinates, or values live into the partitions, spill (scripts/check_gluon_compile.py,
+# check_gluon_bwd_parts_compile.py); the consumers keep 232 (a d = 192 forward consumer with 64-key blocks needs
+# ~215).
 PARTS_PRODUCER_REGS = 40
 
 
@@ -47,7 +49,7 @@ def dq_parts_shared_bytes(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int, e
             + 8 * (consumers + 2 * cfg.stages))
 
 
-def _parts_split(num_warps: int, shared: int) -> dict:
+def parts_split(num_warps: int, shared: int) -> dict:
     """`sm90.ws_split` with the producer at `PARTS_PRODUCER_REGS` and the consumers given what is left."""
     res = ws_split(num_warps, shared)
     consumers = num_warps // 4
@@ -63,14 +65,14 @@ def dkdv_parts_resources(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int) ->
     if dkdv_splits_head_dim(cfg) and head_dim == 1 << (head_dim.bit_length() - 1):
         raise ValueError(f"{cfg}: the dK/dV part kernel splits the head dim only into its two column parts "
                          f"({head_dim} has one)")
-    return _parts_split(cfg.num_warps, dkdv_parts_shared_bytes(cfg, head_dim, head_dim_v))
+    return parts_split(cfg.num_warps, dkdv_parts_shared_bytes(cfg, head_dim, head_dim_v))
 
 
 @functools.lru_cache(maxsize=None)
 def dq_parts_resources(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int, delta_from_o: bool = False) -> dict:
     """Occupancy and register split of the dQ part kernel."""
     check_dq_config(cfg)
-    return _parts_split(cfg.num_warps, dq_parts_shared_bytes(cfg, head_dim, head_dim_v, delta_from_o=delta_from_o))
+    return parts_split(cfg.num_warps, dq_parts_shared_bytes(cfg, head_dim, head_dim_v, delta_from_o=delta_from_o))
 
 
 def gluon_dkdv_parts(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask, cfg: GluonBwdConfig,
