@@ -313,15 +313,6 @@ def test_packattn_log_rejects_an_unknown_topic(clean_env):
 
 
 # ------------------------------------------------------------------------------------ PACKATTN_LOG=dispatch
-@pytest.fixture
-def restore_logger():
-    logger = logging.getLogger("packattn.dispatch")
-    level, handlers = logger.level, list(logger.handlers)
-    yield logger
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
 def test_packattn_log_dispatch_logs_each_new_decision_once(clean_env, caplog, restore_logger):
     clean_env.setenv("PACKATTN_LOG", "dispatch")
     q, k, v, seqs = inputs()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import test_costs
 from test_costs import call, row
 
@@ -47,15 +46,6 @@ def test_explain_says_when_the_rule_decided(hopper, use_table, capsys):
     assert "decided by: the priority rule (no cost table for cpu)" in lines
     code, lines = _explain(capsys, *W1_CUDA, "--backend", "triton")  # a named backend: nothing is ranked
     assert "picks: triton" in lines and not any(ln.startswith("decided by") for ln in lines)
-
-
-@pytest.fixture
-def restore_logger():
-    logger = logging.getLogger("packattn.dispatch")
-    level, handlers = logger.level, list(logger.handlers)
-    yield logger
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
 
 
 def test_dispatch_log_names_the_row_or_the_rule(hopper, use_table, monkeypatch, caplog, restore_logger):
