@@ -22,7 +22,8 @@ from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
                                          dkdv_splits_head_dim, heads_per_section)
-from packattn.ops.varlen.launch_sm90_bwd_parts import gluon_dkdv_parts, gluon_dq_parts, in_parts, parts_split
+from packattn.ops.varlen.launch_sm90_bwd_parts import (dkdv_parts_shared_bytes, dq_parts_shared_bytes, gluon_dkdv_parts,
+                                                      gluon_dq_parts, in_parts, parts_split)
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -46,10 +47,9 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
 
 def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2) -> int:
     """Shared memory of one dK/dV CTA: K and V of the tile, the (Q, dO) ring, lse / delta per ring slot, the
-    consumers' query-position tables, the mbarriers (``kv_bar``, with two consumers ``zero_bar``, the ring's)."""
-    consumers = cfg.num_warps // 4
-    return ((2 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * head_dim * element_size
-            + 4 * (2 * cfg.stages * cfg.block_m + consumers * cfg.block_m) + 8 * (consumers + 2 * cfg.stages))
+    consumers' query-position tables, the mbarriers (``kv_bar``, with two consumers ``zero_bar``, the ring's):
+    `dkdv_parts_shared_bytes` with q/k and v of one head dim."""
+    return dkdv_parts_shared_bytes(cfg, head_dim, head_dim, element_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,11 +63,9 @@ def dkdv_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
 
 def dq_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2, delta_from_o: bool = False) -> int:
     """Shared memory of one warp-specialised dQ CTA: Q and dO of the tile (``delta_from_o``: and O), the
-    (K, V) ring, the mbarriers (``q_bar``, with two consumers ``zero_bar``, the ring's)."""
-    consumers = cfg.block_m // 64
-    tiles = 3 if delta_from_o else 2
-    return ((tiles * cfg.block_m + 2 * cfg.stages * cfg.block_n) * head_dim * element_size
-            + 8 * (consumers + 2 * cfg.stages))
+    (K, V) ring, the mbarriers (``q_bar``, with two consumers ``zero_bar``, the ring's): `dq_parts_shared_bytes`
+    with q/k and v of one head dim."""
+    return dq_parts_shared_bytes(cfg, head_dim, head_dim, element_size, delta_from_o=delta_from_o)
 
 
 @functools.lru_cache(maxsize=None)

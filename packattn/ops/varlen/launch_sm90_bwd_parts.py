@@ -34,7 +34,7 @@ def in_parts(head_dim: int, head_dim_v: int) -> bool:
 def dkdv_parts_shared_bytes(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int, element_size: int = 2) -> int:
     """Shared memory of one dK/dV part CTA: K (d) and V (d_v) of the tile, the (Q, dO) ring, lse / delta per slot,
     the query-position tables, the mbarriers."""
-    consumers = cfg.block_n // 64 + dkdv_splits_head_dim(cfg)
+    consumers = cfg.num_warps // 4
     return ((cfg.block_n + cfg.stages * cfg.block_m) * (head_dim + head_dim_v) * element_size
             + 4 * (2 * cfg.stages * cfg.block_m + consumers * cfg.block_m) + 8 * (consumers + 2 * cfg.stages))
 
