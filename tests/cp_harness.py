@@ -23,6 +23,10 @@ import torch.multiprocessing as mp
 
 import packattn
 from packattn import cp
+
+# seconds for one spawn of a world's workers (it runs every case of that world): a loaded 2-core CI machine
+# needs minutes at world 4
+SPAWN_TIMEOUT_S = 300
 from packattn.varlen import Varlen
 
 GRAD_NAMES = ("out", "lse", "dq", "dk", "dv")

@@ -18,12 +18,11 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import run_case, spawn
+from cp_harness import SPAWN_TIMEOUT_S, run_case, spawn
 from packattn import cp
 from packattn.varlen import Varlen
 
 WORLDS = (2, 4)
-SPAWN_TIMEOUT_S = 75
 TOL64 = 1e-10
 
 DOCS = {

@@ -23,7 +23,6 @@ from packattn.cp.plan import BALANCES
 from packattn.varlen import Varlen
 
 WORLDS = (2, 4)
-SPAWN_TIMEOUT_S = 90
 TOL64 = 1e-10
 TOL64_RING = 2e-6  # the P2P ring merges partial results through float32 lse (packattn.cp.ring)
 
@@ -155,7 +154,7 @@ def _meshes(world):
 
 
 def _worker(rank, world, init_file, out_dir, case_names):
-    cp_harness.init_gloo(rank, world, init_file, SPAWN_TIMEOUT_S)
+    cp_harness.init_gloo(rank, world, init_file, cp_harness.SPAWN_TIMEOUT_S)
     results = {}
     try:
         meshes = _meshes(world)
@@ -175,11 +174,11 @@ def results(request, tmp_path_factory):
     world = request.param
     if world not in _RESULTS:
         tmp = str(tmp_path_factory.mktemp(f"cp_a2a_world{world}"))
-        _RESULTS[world] = cp_harness.spawn(_worker, world, tmp, (list(CASES[world]),), SPAWN_TIMEOUT_S)
+        _RESULTS[world] = cp_harness.spawn(_worker, world, tmp, (list(CASES[world]),), cp_harness.SPAWN_TIMEOUT_S)
     return world, _RESULTS[world]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.timeout(cp_harness.SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("results, name", [pytest.param(w, n, id=f"world{w}-{n}") for w in WORLDS for n in CASES[w]],
                          indirect=["results"])
 def test_cp_a2a_matches_single_process(results, name):
@@ -189,7 +188,7 @@ def test_cp_a2a_matches_single_process(results, name):
         cp_harness.check(res[name], case.get("dtype", "float64"), case.get("tol", TOL64), f"rank {rank} world {world}")
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+@pytest.mark.timeout(cp_harness.SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("results", WORLDS, ids=lambda w: f"world{w}", indirect=True)
 def test_cp_a2a_bad_inputs_raise_before_communication(results):
     world, per_rank = results

@@ -22,14 +22,13 @@ from unittest import mock
 import pytest
 import torch
 
-from cp_harness import check, errors_vs_single, finish, grads, init_gloo, run_case, spawn
+from cp_harness import SPAWN_TIMEOUT_S, check, errors_vs_single, finish, grads, init_gloo, run_case, spawn
 from packattn import cp
 from packattn.cp import allgather, comm
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
 WORLDS = (2, 4)
-SPAWN_TIMEOUT_S = 90
 TOL64 = 1e-10
 
 DOCS = {

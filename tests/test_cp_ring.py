@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import check, errors_vs_single, finish, init_gloo, max_err, run_case, spawn
+from cp_harness import SPAWN_TIMEOUT_S, check, errors_vs_single, finish, init_gloo, max_err, run_case, spawn
 from packattn import cp
 from packattn import mask as masks
 from packattn.backends.base import Backend
@@ -28,7 +28,6 @@ from packattn.cp import ring_layout
 from packattn.varlen import Varlen
 
 WORLDS = (2, 4)
-SPAWN_TIMEOUT_S = 300  # one spawn runs every case of a world; a loaded 2-core CI machine needs minutes
 TOL64 = 1e-10  # float64 with float64 lse (the "exact64" test backend)
 TOL64_LSE32 = 2e-6  # float64 with the reference backend: merge weights from float32 lse (~1e-7 errors seen)
 

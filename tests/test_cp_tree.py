@@ -13,13 +13,12 @@ import pytest
 import torch
 
 import packattn
-from cp_harness import finish, grads, init_gloo, max_err, run_case, spawn
+from cp_harness import SPAWN_TIMEOUT_S, finish, grads, init_gloo, max_err, run_case, spawn
 from packattn import cp
 from packattn.cp import tree as cp_tree
 from packattn.tree import Tree
 
 WORLDS = (2, 3, 4)
-SPAWN_TIMEOUT_S = 90
 TOL64 = 1e-10
 
 

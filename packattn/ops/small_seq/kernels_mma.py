@@ -95,9 +95,11 @@ def _unit(q_rows, kv_starts, kv_lens, unit, heads_kv, group, offs_h, offs_g, off
     h_ok = head0 + offs_h < heads_kv
     seen = h_ok & has_q
     heads = (head0 + offs_h) * group + offs_g
-    g_ok = seen & (offs_g < group)
-    key_ok = seen & (offs_s < kv_len)
-    col_ok = seen & (offs_c < kv_len)
+    # tl.where, not `seen & tile`: with BLOCK_H == 1 `seen` is a scalar, and Triton's interpreter makes scalar &
+    # tensor an integer mask, which its masked loads refuse from Triton 3.7 on
+    g_ok = tl.where(seen, offs_g < group, False)
+    key_ok = tl.where(seen, offs_s < kv_len, False)
+    col_ok = tl.where(seen, offs_c < kv_len, False)
     return head0, q_row, kv_start, kv_len, heads, g_ok, key_ok, col_ok, h_ok
 
 
@@ -221,7 +223,7 @@ def small_seq_bwd_mma_kernel(
         ds_t = _t(ds, BLOCK_H)
         ds = ds.to(Q.dtype.element_ty)
         # rows past the keys hold exact zeros (P = 0 there), written only where they are ours
-        kv_rows = h_ok & (offs_s < tl.maximum(kv_len, kv_fill))
+        kv_rows = tl.where(h_ok, offs_s < tl.maximum(kv_len, kv_fill), False)  # (see `_unit`)
         dq_ptrs = _q_ptrs(dQ, q_row, head0, group, stride_dq_row, stride_dq_head, offs_h, offs_g, offs_d)
         dk_ptrs = _kv_ptrs(dK, kv_start, head0, stride_dk_row, stride_dk_head, offs_h, offs_s, offs_d)
         dv_ptrs = _kv_ptrs(dV, kv_start, head0, stride_dv_row, stride_dv_head, offs_h, offs_s, offs_d)
