@@ -164,7 +164,7 @@ def test_forward_and_backward_gluon_head_dims(hopper, d, d_v, fwd, bwd):
     v = _Cuda(torch.zeros(8, 4, d_v, dtype=torch.bfloat16))
     assert sm90.sm90_runs(q, k, v, False, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES) is fwd
     assert sm90.sm90_runs(q, k, v, False, configs.GLUON_HEAD_DIMS, configs.GLUON_DTYPES) is bwd
-    assert sm90.dims_key(d, d_v) == (d if d == d_v else (d, d_v))
+    assert sm90.dims_key(d, d_v) in configs.CONFIGS or not fwd  # the forward tables' key of these dims
 
 
 def test_every_tree_gluon_table_covers_the_declared_head_dims():
