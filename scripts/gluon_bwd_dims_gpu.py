@@ -39,6 +39,9 @@ from packattn.ops.varlen import configs, op  # noqa: E402
 from packattn.ops.varlen.configs import GluonBwdConfig as C  # noqa: E402
 from packattn.varlen import Varlen  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_fwd_dims_gpu import median_ms  # noqa: E402  (one timing helper for both scripts)
+
 # (d, d_v) -> proposed configs (scripts/check_gluon_bwd_parts_compile.py: no spills under every mask, tree too).
 # dK/dV: 96 and 128/64 two consumers of 64 keys (dK + dV 96 float32 registers each); 192 and 192/128 two consumers
 # splitting the head dim of one 64-key tile (SPLIT_D: consumer 0 the 128-column parts, 1 the 64-column ones),
@@ -171,18 +174,6 @@ def determinism(all_dims) -> int:
     return bad
 
 
-def median_ms(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def timing(all_dims) -> list[tuple]:

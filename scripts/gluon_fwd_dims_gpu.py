@@ -239,18 +239,11 @@ def _cfg(cfg: GluonConfig) -> str:
             + (f" poly{cfg.poly_exp2}" if cfg.poly_exp2 else ""))
 
 
-def median_ms(fn, iters: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def median_ms(fn) -> float:
+    """Median ms of ``fn`` (triton.testing.do_bench: CUDA events, the L2 cache flushed before each call)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def timing(all_dims) -> list[tuple]:
