@@ -277,15 +277,23 @@ def main() -> int:
         done = list(pool.map(lambda j: (j, run_side(j[0], j[1], j[2], args.keep)), jobs))
     results = {(side, label): path for (side, _, _), found in done for label, path in found.items()}
     labels = [s["label"] for s in specs() if s["group"] in args.only]
-    width = max(map(len, labels))
+    old = {label: results.get(("old", label), "missing") for label in labels}
+    new = {label: results.get(("new", label), "missing") for label in labels}
+    return compare(labels, old, new)
+
+
+def compare(labels: list[str], old: dict, new: dict) -> int:
+    """Print ``label | same/DIFF/FAILED`` for each label (``old`` / ``new``: label -> normalised PTX file, or a
+    FAILED message), then the count; 1 if any is not the same."""
+    width = max(map(len, labels), default=0)
     bad = 0
     for label in labels:
-        old, new = results.get(("old", label), "missing"), results.get(("new", label), "missing")
-        if old.startswith(("FAILED", "missing")) or new.startswith(("FAILED", "missing")):
-            verdict = f"FAILED (old: {old[:200]}; new: {new[:200]})"
+        a, b = old.get(label, "missing"), new.get(label, "missing")
+        if a.startswith(("FAILED", "missing")) or b.startswith(("FAILED", "missing")):
+            verdict = f"FAILED (old: {a[:200]}; new: {b[:200]})"
         else:
-            with open(old) as a, open(new) as b:
-                verdict = "same" if a.read() == b.read() else "DIFF"
+            with open(a) as fa, open(b) as fb:
+                verdict = "same" if fa.read() == fb.read() else "DIFF"
         bad += verdict != "same"
         print(f"{label:{width}s} | {verdict}", flush=True)
     print(f"{len(labels) - bad} of {len(labels)} the same" + (f", {bad} DIFF or failed" if bad else ""))

@@ -152,19 +152,7 @@ def main() -> int:
 
     with ThreadPoolExecutor(2) as pool:
         old, new = pool.map(lambda side: run_side(side[0], side[1], args.keep), [("old", args.old), ("new", ROOT)])
-    bad = 0
-    for spec in fwd_specs():
-        label = spec["label"]
-        a, b = old.get(label, "missing"), new.get(label, "missing")
-        if a.startswith(("FAILED", "missing")) or b.startswith(("FAILED", "missing")):
-            verdict = f"FAILED (old: {a[:200]}; new: {b[:200]})"
-        else:
-            with open(a) as fa, open(b) as fb:
-                verdict = "same" if fa.read() == fb.read() else "DIFF"
-        bad += verdict != "same"
-        print(f"{label} | {verdict}", flush=True)
-    print(f"{len(fwd_specs()) - bad} of {len(fwd_specs())} the same" + (f", {bad} DIFF or failed" if bad else ""))
-    return 1 if bad else 0
+    return ptx_identity.compare([spec["label"] for spec in fwd_specs()], old, new)
 
 
 if __name__ == "__main__":
