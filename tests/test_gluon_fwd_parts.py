@@ -5,19 +5,17 @@ softmax overlapping a wgmma in flight (`scripts/check_gluon_compile.py`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from sm90_compile import compile_check
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
 from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts
 from packattn.ops.varlen.configs import GluonConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (q/k, v) head dims -> the config proposed for them (the tables' own entry once `configs` has one)
 PROPOSED = {(96, 96): GluonConfig(128, 128, 4, 8), (192, 192): GluonConfig(128, 64, 3, 8),
             (192, 128): GluonConfig(128, 64, 4, 8), (128, 64): GluonConfig(128, 128, 4, 8)}
@@ -115,11 +113,8 @@ def test_new_head_dims_compile_for_sm90a_without_spills():
               "    bad += problem\n"
               "    print(text, flush=True)\n"
               "sys.exit(1 if bad else 0)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.count("overlap OK") == len(jobs) and " 0 bytes spill stores" in done.stdout
+    stdout = compile_check(script)
+    assert stdout.count("overlap OK") == len(jobs) and " 0 bytes spill stores" in stdout
 
 
 def test_a_head_dim_with_no_usable_second_part_is_refused_before_any_kernel():

@@ -5,14 +5,13 @@ subprocess, for sm_90a) one opt-in kernel compiled with `scripts/check_gluon_com
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+
+from sm90_compile import compile_check
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
@@ -20,7 +19,6 @@ from packattn.ops.varlen import launch_sm90
 from packattn.ops.varlen.common_sm90 import _exp2_asm
 from packattn.ops.varlen.configs import CONFIGS, GluonConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("fields", [{"rescale_threshold": -1.0}, {"rescale_threshold": 16}, {"rescale_threshold": True},
@@ -107,10 +105,7 @@ def test_an_opt_in_variant_compiles_for_sm90a_without_spills():
               "problem, text = c.check_variant('bf16', (64, 64), 'R', '128,128,4,8,lazy=8,poly=1')\n"
               "print(text, flush=True)\n"
               "sys.exit(1 if problem else 0)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "overlap OK" in done.stdout and " 0 bytes spill stores" in done.stdout
-    mains = [line for line in done.stdout.splitlines() if "kind=main" in line]
+    stdout = compile_check(script, timeout=120)
+    assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
+    mains = [line for line in stdout.splitlines() if "kind=main" in line]
     assert len(mains) == 2 and all("cta_bar=0" in line for line in mains)
