@@ -1,9 +1,7 @@
 """GPU check of the warp-specialised Gluon backward at head dims in column parts and with a value head dim of its own
 (`packattn.ops.varlen.bwd_dkdv_sm90_parts`, `bwd_dq_sm90_parts`): d = 96, 192, MLA 192/128 and 128/64.
 
-On main these dims are gated off (`configs.GLUON_HEAD_DIMS` is (64, 128, 256)): the backward runs the Triton
-passes. This script enables them with `configs.override(**OVERRIDE)` (the proposed configs in `DKDV` / `DQ`, which
-scripts/check_gluon_bwd_parts_compile.py compiles for sm_90a) and checks:
+The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the part kernels; the script checks:
 
 * the plan: `op.bwd_plan` picks the Gluon passes and `op.fuses_delta` (the dQ computes delta);
 * correctness: `packattn.attention` forward + backward against the float32 reference (tests/gpu
@@ -15,8 +13,8 @@ scripts/check_gluon_bwd_parts_compile.py compiles for sm_90a) and checks:
 * a tree (``backend="triton_tree"``, whose dK/dV follows the varlen plan: the part kernel's ``TREE`` branch) at
   96 and 192 against the float32 reference (the tree kernels refuse MLA);
 * timing: forward + backward on W1-style lengths (`doc_lengths(32768, 0)`, 16384 tokens for d >= 192), heads
-  16/4, bf16, causal, with the override (Gluon backward) and without (the Triton backward; the forward is Gluon in
-  both), median of CUDA-event timings, TF/s on useful FLOPs (``2 (d + d_v) * 2.5`` per visible pair and head).
+  16/4, bf16, causal, with the tables (Gluon backward) and under `triton_bwd_tables` (the Triton backward; the
+  forward is Gluon in both), median of do_bench timings, TF/s on useful FLOPs (``2 (d + d_v) * 2.5`` per visible pair and head).
 
     export PYTHONPATH=$PWD; python scripts/gluon_bwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 """
@@ -42,23 +40,20 @@ from packattn.varlen import Varlen  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_fwd_dims_gpu import median_ms  # noqa: E402  (one timing helper for both scripts)
 
-# (d, d_v) -> proposed configs (scripts/check_gluon_bwd_parts_compile.py: no spills under every mask, tree too).
-# dK/dV: 96 and 128/64 two consumers of 64 keys (dK + dV 96 float32 registers each); 192 and 192/128 two consumers
-# splitting the head dim of one 64-key tile (SPLIT_D: consumer 0 the 128-column parts, 1 the 64-column ones),
-# 32-query steps. dQ (computing delta, with O in shared memory): 192 one consumer (as d = 256 on main).
-DKDV = {96: C(64, 128, 2, 8), 192: C(32, 64, 3, 8), (192, 128): C(32, 64, 3, 8), (128, 64): C(64, 128, 2, 8)}
-DQ = {96: C(128, 64, 3, 8), 192: C(64, 64, 3, 4), (192, 128): C(128, 64, 2, 8), (128, 64): C(128, 64, 4, 8)}
-# other configs that compile without spills, checked (causal, bf16) and timed beside: (pass, config) per dims;
-# one-consumer dK/dV tiles run two CTAs per SM (as d = 128 on main), 192/128 without the head-dim split
-# (the dQ at 96 with 128-key steps spills 4 B under chunk masks: not a candidate)
-ALTERNATIVES = {96: [("dkdv", C(64, 64, 2, 4))], (128, 64): [("dkdv", C(64, 64, 2, 4))],
-                (192, 128): [("dkdv", C(32, 128, 2, 8))]}
+DIMS = [(96, 96), (192, 192), (192, 128), (128, 64)]
+KEYS = [d if d == dv else (d, dv) for d, dv in DIMS]
+DKDV = {k: configs.DKDV_CONFIGS[k] for k in KEYS}  # the tables' configs (NOTES.md, v35)
+DQ = {k: configs.DQ_CONFIGS[k] for k in KEYS}
+# other configs that compile without spills (scripts/check_gluon_bwd_parts_compile.py), checked (causal, bf16) and
+# timed beside the tables' ones: (pass, config) per dims; within 1% of the tables' configs on W1 lengths (v35)
+ALTERNATIVES = {96: [("dkdv", C(64, 64, 2, 4))], (128, 64): [("dkdv", C(64, 64, 2, 4))]}
 
 
-def override_tables() -> dict:
-    """The `configs.override` keywords that enable the part kernels at the dims of `DKDV` / `DQ`."""
-    return dict(GLUON_HEAD_DIMS=tuple(configs.GLUON_HEAD_DIMS) + tuple(DKDV),
-                DKDV_CONFIGS={**configs.DKDV_CONFIGS, **DKDV}, DQ_CONFIGS={**configs.DQ_CONFIGS, **DQ})
+def triton_bwd_tables() -> dict:
+    """The `configs.override` keywords under which the backward at `DIMS` runs the Triton passes (the baseline)."""
+    return dict(GLUON_HEAD_DIMS=tuple(d for d in configs.GLUON_HEAD_DIMS if d not in KEYS),
+                DKDV_CONFIGS={k: c for k, c in configs.DKDV_CONFIGS.items() if k not in KEYS},
+                DQ_CONFIGS={k: c for k, c in configs.DQ_CONFIGS.items() if k not in KEYS})
 
 
 MASKS = {"causal": {"causal": True}, "tl-window": {"causal": "top_left", "window": (100, 0)},
@@ -187,11 +182,12 @@ def timing(all_dims) -> list[tuple]:
         def run(q=q, k=k, v=v, dout=dout, seqs=seqs):
             fwd_bwd(q, k, v, dout, seqs, causal=True)
 
-        t_ms = median_ms(run)  # main's gating: Gluon forward, Triton backward
+        with configs.override(**triton_bwd_tables()):
+            t_ms = median_ms(run)  # Gluon forward, Triton backward
         variants = [({}, f"{_cfg(DKDV[key(dims)])} / {_cfg(DQ[key(dims)])}")]
         variants += [({name: cfg}, f"{name} {_cfg(cfg)}") for name, cfg in ALTERNATIVES.get(key(dims), [])]
         for forced, label in variants:
-            with configs.override(**override_tables(), **forced):
+            with configs.override(**forced):
                 g_ms = median_ms(run)
             rows.append((dims, label, g_ms, flops / g_ms / 1e9, t_ms, flops / t_ms / 1e9))
             print(f"timed d={dims[0]}/{dims[1]} {label}: gluon bwd {g_ms:.3f} ms, triton bwd {t_ms:.3f} ms",
@@ -201,18 +197,17 @@ def timing(all_dims) -> list[tuple]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", nargs="+", type=parse_dims, default=[(96, 96), (192, 192), (192, 128), (128, 64)])
+    parser.add_argument("--dims", nargs="+", type=parse_dims, default=DIMS)
     parser.add_argument("--no-time", action="store_true")
     args = parser.parse_args()
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    with configs.override(**override_tables()):
-        bad = correctness(args.dims)
-        bad += determinism(args.dims)
-        for dims in [d for d in args.dims if d in ((96, 96), (192, 192))]:
-            ok, text = tree_check(dims)
-            bad += not ok
-            print(text, flush=True)
+    bad = correctness(args.dims)
+    bad += determinism(args.dims)
+    for dims in [d for d in args.dims if d in ((96, 96), (192, 192))]:
+        ok, text = tree_check(dims)
+        bad += not ok
+        print(text, flush=True)
     rows = [] if args.no_time else timing(args.dims)
     print(f"\n{'dims':9s} {'config dkdv / dq':24s} {'gluon ms':>9s} {'TF/s':>6s} {'triton ms':>9s} {'TF/s':>6s} "
           f"{'ratio':>6s}  (f+b, Gluon forward in both)")

@@ -1,6 +1,6 @@
 """The Gluon backward at head dims in two column parts (96, 192) and with a value head dim of its own (MLA 192/128,
-128/64), without a GPU: the configs proposed in scripts/gluon_bwd_dims_gpu.py validate under `configs.override`
-(and stay off the default tables), the plan names MLA configs by ``(d, d_v)``, the launchers hand these dims to
+128/64), without a GPU: the tables run them on the part kernels (and scripts/gluon_bwd_dims_gpu.py's baseline tables
+take them off again), the plan names MLA configs by ``(d, d_v)``, the launchers hand these dims to
 the part kernels with the right descriptors and constexprs (a recording kernel), shared memory fits, and (in a
 subprocess, for sm_90a) the part kernels compile without spills with the overlap in place."""
 
@@ -15,12 +15,12 @@ import torch
 from sm90_compile import compile_check
 
 from packattn.mask import Mask
-from packattn.ops.runtime import support
+from packattn.ops.runtime import sm90, support
 from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts, op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from gluon_bwd_dims_gpu import DKDV, DQ, override_tables  # noqa: E402
+from gluon_bwd_dims_gpu import DKDV, DQ, triton_bwd_tables  # noqa: E402
 
 DIMS = [(96, 96), (192, 192), (192, 128), (128, 64)]
 
@@ -29,21 +29,24 @@ def _key(dims):
     return dims[0] if dims[0] == dims[1] else dims
 
 
-def test_new_dims_stay_gated_off_and_the_override_validates():
-    assert set(configs.GLUON_HEAD_DIMS) == {64, 128, 256}
-    for dims in DIMS:
-        assert _key(dims) not in configs.DKDV_CONFIGS and _key(dims) not in configs.DQ_CONFIGS
-    with configs.override(**override_tables()):
-        for dims in DIMS:
-            assert configs.dkdv_config(_key(dims), 4) == DKDV[_key(dims)]
-            assert configs.dq_config(_key(dims)) == DQ[_key(dims)]
+@pytest.mark.parametrize("dims", DIMS)
+def test_new_dims_take_the_gluon_backward_and_the_baseline_tables_validate(dims, monkeypatch):
+    monkeypatch.setattr(op, "sm90_runs", lambda q, k, v, backward, head_dims, dtypes:
+                        sm90.dims_key(q.shape[-1], v.shape[-1]) in head_dims)
+    q, k, v = torch.zeros(8, 4, dims[0]), torch.zeros(8, 1, dims[0]), torch.zeros(8, 1, dims[1])
+    plan = op.bwd_plan(q, k, v)
+    assert (plan.dkdv, plan.dq) == (configs.dkdv_config(_key(dims), 4), DQ[_key(dims)]) and op.fuses_delta(plan, None)
+    with configs.override(**triton_bwd_tables()):  # the GPU script's baseline: the Triton passes at these dims
+        plan = op.bwd_plan(q, k, v)
+        assert plan.dkdv is None and plan.dq is None
+        assert configs.GLUON_HEAD_DIMS == (64, 128, 256)
+    assert _key(dims) in configs.GLUON_HEAD_DIMS  # restored
 
 
 def test_bwd_plan_names_mla_configs_by_both_head_dims(monkeypatch):
     monkeypatch.setattr(op, "sm90_runs", lambda *args: True)
     q, k, v = torch.zeros(8, 4, 192), torch.zeros(8, 1, 192), torch.zeros(8, 1, 128)
-    with configs.override(**override_tables()):
-        plan = op.bwd_plan(q, k, v)
+    plan = op.bwd_plan(q, k, v)
     assert (plan.dkdv, plan.dq) == (DKDV[(192, 128)], DQ[(192, 128)]) and op.fuses_delta(plan, None)
 
 

@@ -41,9 +41,11 @@ class _Cuda:
 
 
 def _qkv(d=128, heads=(4, 2), dtype=torch.bfloat16, rows=8):
+    """q, k, v at head dim ``d`` (an int, or an MLA key ``(d, d_v)`` of the tables)."""
+    d, d_v = (d, d) if isinstance(d, int) else d
     q = _Cuda(torch.zeros(rows, heads[0], d, dtype=dtype))
     k = _Cuda(torch.zeros(rows, heads[1], d, dtype=dtype))
-    return q, k, _Cuda(torch.zeros(rows, heads[1], d, dtype=dtype))
+    return q, k, _Cuda(torch.zeros(rows, heads[1], d_v, dtype=dtype))
 
 
 @pytest.fixture
@@ -90,13 +92,14 @@ def test_sm90_runs_takes_dtypes_and_head_dims_from_the_caller(hopper):
         assert not sm90.sm90_runs(*_qkv(dtype=dtype), False, *VARLEN)
     q, k, v = _qkv(dtype=torch.bfloat16)
     assert not sm90.sm90_runs(q, _qkv(dtype=torch.float16)[1], v, False, *VARLEN)  # mixed dtypes
-    assert not sm90.sm90_runs(*_qkv(96), False, *VARLEN)
+    assert not sm90.sm90_runs(*_qkv(32), False, *VARLEN)
     assert sm90.sm90_runs(*_qkv(96), False, (96,), configs.GLUON_DTYPES)  # the caller's head dims decide
     assert not sm90.sm90_runs(*_qkv(128), False, (96,), configs.GLUON_DTYPES)
     assert not sm90.sm90_runs(*_qkv(128), False, configs.GLUON_HEAD_DIMS, (torch.float16,))
     q64 = _qkv(64)[0]
     assert not sm90.sm90_runs(q64, k, v, False, *VARLEN)  # q and k / v head dims differ
-    assert not sm90.sm90_runs(q, k, _qkv(64, dtype=torch.bfloat16)[2], False, *VARLEN)  # MLA: Triton kernels
+    assert sm90.sm90_runs(q, k, _qkv(64, dtype=torch.bfloat16)[2], False, *VARLEN)  # MLA 128/64: a key (d, d_v)
+    assert not sm90.sm90_runs(q, k, _qkv(96, dtype=torch.bfloat16)[2], False, *VARLEN)  # 128/96: Triton kernels
 
 
 @pytest.mark.parametrize("heads,runs", [((4, 2), True), ((8, 1), True), ((4, 4), True), ((6, 4), False),
@@ -154,12 +157,12 @@ def test_every_varlen_gluon_table_covers_the_declared_head_dims():
     assert {k if isinstance(k, int) else k[0] for k in fwd_dims} <= set(configs.HEAD_DIMS)
 
 
-@pytest.mark.parametrize("d,d_v,fwd,bwd", [(192, 128, True, False), (128, 64, True, False), (96, 96, True, False),
-                                           (192, 192, True, False), (256, 256, True, True), (256, 128, False, False),
-                                           (32, 32, False, False)])
+@pytest.mark.parametrize("d,d_v,fwd,bwd", [(192, 128, True, True), (128, 64, True, True), (96, 96, True, True),
+                                           (192, 192, True, True), (256, 256, True, True), (256, 128, False, False),
+                                           (32, 32, False, False), (128, 96, False, False)])
 def test_forward_and_backward_gluon_head_dims(hopper, d, d_v, fwd, bwd):
     """The forward's Gluon head dims (`GLUON_FWD_HEAD_DIMS`, MLA pairs by `sm90.dims_key`) and the backward's
-    (`GLUON_HEAD_DIMS`): where only the forward is Gluon, the backward plan is the Triton passes."""
+    (`GLUON_HEAD_DIMS`); other pairs run the Triton kernels."""
     q, k = (_Cuda(torch.zeros(8, 4, d, dtype=torch.bfloat16)) for _ in range(2))
     v = _Cuda(torch.zeros(8, 4, d_v, dtype=torch.bfloat16))
     assert sm90.sm90_runs(q, k, v, False, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES) is fwd
@@ -174,14 +177,14 @@ def test_every_tree_gluon_table_covers_the_declared_head_dims():
 
 
 @pytest.mark.parametrize("values", [{"CONFIGS": {128: configs.CONFIGS[128]}},  # d = 64 lost: the plans would fail
-                                    {"DQ_CONFIGS": {**configs.DQ_CONFIGS, 96: configs.DQ_CONFIGS[128]}},  # ignored
-                                    {"GLUON_HEAD_DIMS": (64, 96, 128)},  # no configs for 96
+                                    {"DQ_CONFIGS": {**configs.DQ_CONFIGS, 32: configs.DQ_CONFIGS[128]}},  # ignored
+                                    {"GLUON_HEAD_DIMS": (32, 64, 128)},  # no configs for 32
                                     {"DKDV_CONFIGS": {32: configs.DKDV_CONFIGS[128]}}])
 def test_varlen_override_refuses_tables_off_the_declared_head_dims(values):
     with pytest.raises(ValueError, match="head dims"):
         with configs.override(**values):
             pass
-    assert configs.GLUON_HEAD_DIMS == (64, 128, 256) and set(configs.CONFIGS) == set(configs.GLUON_FWD_HEAD_DIMS)  # restored
+    assert 96 in configs.GLUON_HEAD_DIMS and set(configs.CONFIGS) == set(configs.GLUON_FWD_HEAD_DIMS)  # restored
 
 
 def test_tree_override_refuses_tables_off_the_declared_head_dims():

@@ -17,9 +17,9 @@ from packattn.ops.varlen.traced import traced_varlen_attention
 
 def kernel_limits(params) -> str | None:
     """Dtype and head-dim limits of the varlen-family kernels: q/k and v head dims each in `HEAD_DIMS`, equal or
-    not (MLA, e.g. 192/128: on sm_90 the Gluon forward, `packattn.ops.varlen.configs.GLUON_FWD_HEAD_DIMS`, and the
-    portable Triton backward; where the Gluon kernels run: `packattn.ops.runtime.sm90.sm90_runs`). The tree backend
-    adds `tree_limits`."""
+    not (MLA, e.g. 192/128: on sm_90 the Gluon kernels at the pairs of
+    `packattn.ops.varlen.configs.GLUON_HEAD_DIMS`, the portable Triton ones elsewhere; where the Gluon kernels run:
+    `packattn.ops.runtime.sm90.sm90_runs`). The tree backend adds `tree_limits`."""
     if params.dtype not in DTYPES:
         return f"dtype {params.dtype} not supported (float16, bfloat16, float32)"
     if params.head_dim not in HEAD_DIMS:

@@ -56,26 +56,27 @@ class SmallSeqConfig:
 # about 30-60 KB of loads in flight (copy bandwidth x DRAM latency is ~25-35 KB per SM on H100/H200), and few
 # instructions per byte (each warp of a program repeats the per-unit work: addresses, masks, softmax, so
 # fewer warps a unit issue fewer instructions; the forward at 85% of copy bandwidth leaves ~250 warp
-# instructions per KB at full issue). benchmarks/small_seq_sweep.py times them against alternatives.
+# instructions per KB at full issue). benchmarks/small_seq_sweep.py times them against alternatives; the
+# forward at (256, 1) and the backward at (64, 2) and (512, 2) are the sweep's best (benchmarks/NOTES.md, v35).
 FWD = {
     (64, 1): SmallSeqConfig(block_h=1, num_warps=1),
     (64, 2): SmallSeqConfig(block_h=4),
     (128, 1): SmallSeqConfig(block_h=1, num_warps=1),
     (128, 2): SmallSeqConfig(block_h=2),
-    (256, 1): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=4),
+    (256, 1): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=1),
     (256, 2): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=2),
     (512, 1): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=4, units=4),
     (512, 2): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=4, units=4),
 }
 BWD = {
     (64, 1): SmallSeqConfig(block_h=1, num_warps=1),
-    (64, 2): SmallSeqConfig(block_h=1, num_warps=1),
+    (64, 2): SmallSeqConfig(block_h=1, num_warps=1, items=2),
     (128, 1): SmallSeqConfig(block_h=1, num_warps=1),
     (128, 2): SmallSeqConfig(block_h=1, num_warps=2),
     (256, 1): SmallSeqConfig(block_h=1, num_warps=2),
     (256, 2): SmallSeqConfig(block_h=1, num_warps=2),
     (512, 1): SmallSeqConfig(block_h=1, num_warps=4, units=4),
-    (512, 2): SmallSeqConfig(block_h=1, num_warps=8, units=4),
+    (512, 2): SmallSeqConfig(block_h=1, d_chunks=4, units=4, num_warps=4, num_stages=3, items=2),
 }
 PASSES = {"fwd": "FWD", "bwd": "BWD"}
 

@@ -35,10 +35,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The head dims and dtypes of the sm_90 Gluon kernels (the plans ask `sm90.sm90_runs` with these): `CONFIGS`,
 # `LONG_CONFIGS` and `DQ_CONFIGS` hold a config for each head dim, the other Gluon tables a subset
 # (`_check_tables`, at import and in `override`); a dim added here needs its configs, and vice versa.
-GLUON_HEAD_DIMS = (64, 128, 256)
-# The forward's: 96 and 192 in two power-of-two column parts, and MLA value head dims (`fwd_sm90_parts`); every
-# dim of GLUON_HEAD_DIMS is one of them. Where only the forward is Gluon the backward runs the Triton passes.
-GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256, (192, 128), (128, 64))
+# 96 and 192 run in two power-of-two column parts, and MLA value head dims too (`fwd_sm90_parts`,
+# `bwd_*_sm90_parts`).
+GLUON_HEAD_DIMS = (64, 96, 128, 192, 256, (192, 128), (128, 64))
+# The forward's: every dim of GLUON_HEAD_DIMS; where only the forward is Gluon the backward runs the Triton passes.
+GLUON_FWD_HEAD_DIMS = GLUON_HEAD_DIMS
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 # Some sequence with >= LONG_SEQLEN queries: the forward takes its long-sequence configs (NOTES.md, v7).
 LONG_SEQLEN = 8192
@@ -136,12 +137,10 @@ class GluonConfig:
     # each consumer warp group skips the products of the tile's key blocks in which no key is visible to any of
     # its 64 rows (with 64-key blocks: the causal diagonal's second block for a 128-row tile's first rows)
     trim: bool = False
-    # opt-in softmax variants (defaults: off, the kernel's code as without them). rescale_threshold (log2 units):
-    # lazy rescaling, a row's running max moves only when a block's max exceeds it by more than this (P <= 2^t:
-    # at most 15, fp16's P operand), and a consumer warp group skips the O rescale when none of its rows moved.
-    # poly_exp2: this many of every 4 P elements get their exp2 on the FMA pipe (a polynomial), the rest on MUFU.
+    # lazy rescaling (None: off, the kernel's code as without it), in log2 units: a row's running max moves only
+    # when a block's max exceeds it by more than this (P <= 2^t: at most 15, fp16's P operand), and a consumer
+    # warp group skips the O rescale when none of its rows moved.
     rescale_threshold: float | None = None
-    poly_exp2: int = 0
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
@@ -151,18 +150,17 @@ class GluonConfig:
         t = self.rescale_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
-        if isinstance(self.poly_exp2, bool) or self.poly_exp2 not in (0, 1, 2, 3, 4):
-            raise ValueError(f"{self}: poly_exp2 must be 0, 1, 2, 3 or 4 (elements of every 4)")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
 # fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 32-key blocks, 3
 # stages (Q 64 KB + 3 x 32 KB = 160 KB; the 64 x 256 float32 output takes 128 of a consumer's registers), the
-# best of three on D256 / S512d256 (NOTES.md, v33).
+# best of three on D256 / S512d256 (NOTES.md, v33), with lazy rescaling: its O rescale (128 multiplies per thread
+# a block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35).
 # 96, 192 and MLA: the best of two configs that compile for sm_90a without spills (NOTES.md, v34).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8), 96: GluonConfig(128, 128, 3, 8), 128: GluonConfig(128, 128, 3, 8),
-           192: GluonConfig(128, 64, 3, 8), 256: GluonConfig(128, 32, 3, 8), (192, 128): GluonConfig(128, 64, 4, 8),
-           (128, 64): GluonConfig(128, 128, 4, 8)}
+           192: GluonConfig(128, 64, 3, 8), 256: GluonConfig(128, 32, 3, 8, rescale_threshold=8.0),
+           (192, 128): GluonConfig(128, 64, 4, 8), (128, 64): GluonConfig(128, 128, 4, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
 LONG_CONFIGS = dict(CONFIGS)
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
@@ -232,16 +230,21 @@ class GluonBwdConfig:
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
 # d = 256: two consumer warp groups split the head dim of one 64-key tile (`dkdv_splits_head_dim`), 32 queries per
-# step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33).
-DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4), 128: GluonBwdConfig(64, 64, 2, 4),
-                256: GluonBwdConfig(32, 64, 3, 8)}
+# step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33); 192 the same (consumer 0 takes the
+# 128-column parts, 1 the 64-column ones); 192/128 two consumers of 64 keys each; 96 and 128/64 two consumers
+# (one ties): the best of the configs that compile without spills (NOTES.md, v35).
+DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4), 96: GluonBwdConfig(64, 128, 2, 8),
+                128: GluonBwdConfig(64, 64, 2, 4), 192: GluonBwdConfig(32, 64, 3, 8), 256: GluonBwdConfig(32, 64, 3, 8),
+                (192, 128): GluonBwdConfig(32, 128, 2, 8), (128, 64): GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_GROUP = 4
 # dQ: the two-consumer warp-specialised kernel at d = 64 (128-key steps, NOTES.md v33) and d = 128 (v12/v13);
 # the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
-# delta, 224 KB of shared memory). The dQ tile table follows the config's blocks.
-DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8), 128: GluonBwdConfig(128, 64, 4, 8),
-              256: GluonBwdConfig(64, 64, 2, 4)}
+# delta, 224 KB of shared memory); 192 the one-consumer one too, 96 and MLA two consumers (NOTES.md, v35). The
+# dQ tile table follows the config's blocks.
+DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8), 96: GluonBwdConfig(128, 64, 3, 8),
+              128: GluonBwdConfig(128, 64, 4, 8), 192: GluonBwdConfig(64, 64, 3, 4), 256: GluonBwdConfig(64, 64, 2, 4),
+              (192, 128): GluonBwdConfig(128, 64, 2, 8), (128, 64): GluonBwdConfig(128, 64, 4, 8)}
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4)}
 FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
 FORCE_DQ: GluonBwdConfig | None = None  # `override(dq=...)`: the config of every Gluon dQ pass
