@@ -5,7 +5,7 @@ f+b, share of the total; then the GPU sum against the host time per call (calls 
 wall time per call (sync after each call) and the do_bench median (what `packattn bench` reports).
 ``--forward``: the forward alone.
 
-    python3 benchmarks/kernel_breakdown.py W8 W1 W7 docs:1024 [--iters 20]
+    python3 benchmarks/kernel_breakdown.py W8 W1 W7 D96 MLA docs:1024 [--iters 20]
     python3 benchmarks/kernel_breakdown.py W8 --variant "" --variant "fwd=GluonConfig(128, 128, 3, 8)"
 
 ``--variant``: config overrides ("NAME=VALUE;NAME=VALUE", "" for none; the format of `ab_configs.py`, applied
@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import packattn
 from packattn.bench.runner import _gpu_state
-from packattn.bench.workloads import Workload, tree_workloads, varlen_workloads
+from packattn.bench.workloads import Workload, head_dim_workloads, tree_workloads, varlen_workloads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_configs import variant as configs_variant  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="run the list of variants this many times, interleaved")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds of idle GPU before each breakdown")
     args = parser.parse_args(argv)
-    table = {**varlen_workloads(), **tree_workloads()}
+    table = {**varlen_workloads(), **tree_workloads(), **head_dim_workloads()}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name in args.workloads:
         if name.startswith("docs:"):
