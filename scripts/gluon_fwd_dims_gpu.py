@@ -19,12 +19,11 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 
-``--opt-in``: instead, the opt-in softmax variants of `GluonConfig` (`OPT_IN`: lazy rescaling ``rescale_threshold``,
-exp2 on the FMA pipe ``poly_exp2``) on each dim's table config, at every forward head dim (64, 96, 128, 192, 256,
-MLA) and mask (causal both alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores
-grow along the keys (q x 2, key t of a sequence x (1 + 3 t / len): the running max moves by more than the
-threshold, so the rescale branch runs both ways), fp16 causal too; each line gives the table config's errors
-beside. ~60 compiles.
+``--opt-in``: instead, lazy rescaling (`GluonConfig.rescale_threshold`, the thresholds of `OPT_IN`) on each dim's
+table config, at every forward head dim (64, 96, 128, 192, 256, MLA) and mask (causal both alignments, none, window,
+chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence
+x (1 + 3 t / len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal
+too; each line gives the table config's errors beside. ~60 compiles.
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py --opt-in [--dims 64 256]
 """
@@ -68,9 +67,6 @@ MASKS = {"causal": {"causal": True}, "causal-tl": {"causal": "top_left"}, "none"
 OPT_IN = {
     "lazy8": ({"rescale_threshold": 8.0}, None, ("causal", "causal-tl", "none", "window", "chunk")),
     "lazy0": ({"rescale_threshold": 0.0}, ((64, 64), (256, 256), (192, 128)), ("causal", "window")),
-    "poly1": ({"poly_exp2": 1}, ((64, 64), (96, 96), (128, 128), (128, 64)), ("causal", "none", "window")),
-    "poly2": ({"poly_exp2": 2}, ((64, 64),), ("causal", "chunk")),
-    "lazy8+poly1": ({"rescale_threshold": 8.0, "poly_exp2": 1}, ((64, 64), (128, 128)), ("causal", "window")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)
@@ -235,8 +231,7 @@ def opt_in_correctness(all_dims) -> int:
 
 def _cfg(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}" + ("t" if cfg.trim else "")
-            + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}")
-            + (f" poly{cfg.poly_exp2}" if cfg.poly_exp2 else ""))
+            + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}"))
 
 
 def median_ms(fn) -> float:

@@ -1,11 +1,12 @@
 """Does the warp-specialised Gluon forward compile to the same PTX in two checkouts of the ``packattn/ops`` layout?
 
-`ptx_identity.py`'s forward specs (the selected configurations at d = 64 / 128, masks causal / none /
-window+chunk) and `part_specs` (d = 256, 96, 192, MLA 192/128 and 128/64 at their table configs, same masks) compiled for sm_90a on the CPU in an old checkout (``--old``, e.g. a ``git archive HEAD packattn``
-made before a change) and in this one, both importing ``packattn.ops.varlen.fwd_sm90`` (`ptx_identity.py` reads
-its old side from the ``packattn/kernels`` layout). Parameters a side's kernel does not take are dropped; those
-it takes that the specs do not name get what the launcher passes at d = d_v (``HEAD_DIM_V = HEAD_DIM``, the
-second-column-part descriptors ``*_lo_desc`` None, the opt-in softmax variants off). Prints ``config | same/DIFF``; exit status 1 on any DIFF or
+`ptx_identity.py`'s forward specs (the selected configurations at d = 64 / 128, masks causal / none / window+chunk)
+and `part_specs` (d = 256, 96, 192, MLA 192/128 and 128/64 at their table configs, same masks) compiled for sm_90a on
+the CPU in an old checkout (``--old``, e.g. a ``git archive HEAD packattn`` made before a change) and in this one,
+both importing ``packattn.ops.varlen.fwd_sm90`` (`ptx_identity.py` reads its old side from the ``packattn/kernels``
+layout). Parameters a side's kernel does not take are dropped; those it takes that the specs do not name get what the
+launcher passes at d = d_v (``HEAD_DIM_V = HEAD_DIM``, the second-column-part descriptors ``*_lo_desc`` None, lazy
+rescaling off; other constexprs with a default take it). Prints ``config | same/DIFF``; exit status 1 on any DIFF or
 failed compile. Normalised PTX is left in ``--keep`` (default /tmp/ptx_identity_fwd/{old,new}).
 
     python scripts/ptx_identity_fwd.py [--old /tmp/old_fwd] [--keep DIR]
@@ -14,6 +15,7 @@ failed compile. Normalised PTX is left in ``--keep`` (default /tmp/ptx_identity_
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -26,8 +28,8 @@ import ptx_identity  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE, NAME = "packattn.ops.varlen.fwd_sm90", "varlen_fwd_gluon_ws_kernel"
 LO_DESCS = ("q_lo_desc", "k_lo_desc", "v_lo_desc")
-# the opt-in softmax variants (`configs.GluonConfig.rescale_threshold`, ``poly_exp2``) as the launcher passes them off
-OPT_IN_OFF = {"RESCALE_THRESHOLD": None, "POLY_EXP2": 0}
+# lazy rescaling (`configs.GluonConfig.rescale_threshold`) as the launcher passes it off
+OPT_IN_OFF = {"RESCALE_THRESHOLD": None}
 
 
 # d = 256 and the dims in column parts / with a value head dim of their own (`fwd_sm90_parts`), their table configs:
@@ -83,6 +85,9 @@ def _compile(spec: dict) -> str:
         constexprs.setdefault("HEAD_DIM_V", constexprs["HEAD_DIM"])
     constexprs.update({name: None for name in LO_DESCS if name in fn.arg_names})
     constexprs.update({name: value for name, value in OPT_IN_OFF.items() if name in fn.arg_names})
+    # a constexpr with a default that nothing above names (an option one side's kernel has, the other's not): off
+    constexprs.update({p.name: p.default for p in fn.params
+                       if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty})
 
     def desc(rows, width=spec["blocks"]["q_desc"][1] if "blocks" in spec else spec["d"]):
         dummy = torch.empty(256, 2048, dtype=torch.bfloat16)

@@ -9,8 +9,8 @@
 * Base-2 online softmax of one key block (`_softmax_any`: element mask only outside the fully visible band
   ``[mid_lo, mid_hi)``, a uniform branch; unmasked blocks ``m = max(m, rowmax(S) c)``, ``p = exp2(S c - m)``;
   masked blocks scale, mask to -inf, then max; a row that has seen no key keeps ``m = -inf`` and ``p = 0``).
-  The forward's opt-in variants (off by default, the code then as without them): lazy rescaling (`_new_max`,
-  `_alpha`, `_rows_any`, `_scale_acc`) and part of the exp2 on the FMA pipe (`_exp2_p`).
+  The forward's lazy rescaling (None: off, the code then as without it): `_new_max`, `_alpha`, `_rows_any`,
+  `_scale_acc`.
 * Pipeline pieces: `_load_kv_block` (K and V of a block by TMA onto the slot's one mbarrier), `_issue_qk`
   (wait for the slot, start ``S = Q K^T`` asynchronously), `_zero_v_tail` (zero the rows of a ring slot past
   the sequence end, fence, barrier over the calling warp group: rows TMA read from the next sequence or from
@@ -115,48 +115,46 @@ def _visible(offs_q, offs_k, len_q, len_kv, window_left, window_right, chunk_siz
 @gluon.jit
 def _softmax_block(s, m_i, l_i, offs_m, keys, len_q, len_kv, qk_scale_log2, window_left, window_right,
                    chunk_size, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr = None,
-                   POLY_EXP2: gl.constexpr = 0):
+                   HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr = None):
     """Fold the raw scores ``s`` of one key block into the running base-2 softmax: returns
     ``(p, alpha, m_new, l_new)`` with ``p`` unnormalised probabilities (float32) and ``alpha`` the
     factor the output accumulator must be rescaled by before ``p @ v`` is added. ``RESCALE_THRESHOLD``
-    (`_new_max`) and ``POLY_EXP2`` (`_exp2_p`): the forward's opt-in variants (defaults: off)."""
+    (`_new_max`): the forward's lazy rescaling (None: off)."""
     if MASKED:
         ok = _visible(offs_m, keys, len_q, len_kv, window_left, window_right, chunk_size,
                       HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-        p, alpha, m_new, l_new = _softmax_masked(s, ok, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD, POLY_EXP2)
+        p, alpha, m_new, l_new = _softmax_masked(s, ok, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
     else:
-        p, alpha, m_new, l_new = _softmax_full(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD, POLY_EXP2)
+        p, alpha, m_new, l_new = _softmax_full(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _softmax_masked(s, ok, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr = None,
-                    POLY_EXP2: gl.constexpr = 0):
+def _softmax_masked(s, ok, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr = None):
     """`_softmax_block` of a block whose visible scores are where ``ok`` (any boolean mask of ``s``'s
     shape and layout): scale, mask to -inf, then max."""
     s = gl.where(ok, s * qk_scale_log2, float("-inf"))
     m_new = _new_max(m_i, gl.max(s, 1), RESCALE_THRESHOLD)
     # rows that have seen no key yet keep m = -inf: subtract 0 instead (p = 0, no NaN)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp2_p(s - m_sub[:, None], POLY_EXP2)
+    p = gl.exp2(s - m_sub[:, None])
     alpha = _alpha(m_i, m_sub, m_new, RESCALE_THRESHOLD)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _softmax_full(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr = None, POLY_EXP2: gl.constexpr = 0):
+def _softmax_full(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr = None):
     """`_softmax_block` of a block whose every score is visible (no element mask)."""
     # all scores finite, scale >= 0: max(s) * c is the scaled row max, one FMA per score
     m_new = _new_max(m_i, gl.max(s, 1) * qk_scale_log2, RESCALE_THRESHOLD)
-    p = _exp2_p(s * qk_scale_log2 - m_new[:, None], POLY_EXP2)
+    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
     alpha = _alpha(m_i, m_new, m_new, RESCALE_THRESHOLD)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
-# ---------------------------------------------------------------- opt-in softmax variants (forward)
+# ---------------------------------------------------------------- lazy rescaling (forward)
 @gluon.jit
 def _new_max(m_i, m_blk, RESCALE_THRESHOLD: gl.constexpr):
     """The running max after a block whose scaled row max is ``m_blk``: ``max(m_i, m_blk)``; with a
@@ -180,39 +178,6 @@ def _alpha(m_i, m_sub, m_new, RESCALE_THRESHOLD: gl.constexpr):
     return alpha
 
 
-@gluon.constexpr_function
-def _exp2_asm(poly):
-    """PTX of 4 exp2 (``pack = 4``: outputs $0..$3, inputs $4..$7): the first ``poly`` on the FMA pipe, the
-    rest ``ex2.approx`` (MUFU). FMA pipe (Cody-Waite): ``x = max(x, -127)``, ``j = round(x)`` by adding and
-    subtracting 1.5 * 2^23, ``f = x - j`` in [-1/2, 1/2], ``2^f`` by a degree-3 minimax polynomial with
-    ``p(0) = 1`` (relative error 1.0e-4 = 2^-13.3, float32 Horner), ``j`` added to the exponent bits (the low
-    bits of ``x + 1.5 * 2^23`` shifted by 23). ``-inf`` gives exactly 0 (``j = -127``, ``p = 1``)."""
-    poly = int(poly)
-    parts = []
-    for i in range(4):
-        if i < poly:
-            parts.append(f"{{ .reg .f32 t, j, f, p; .reg .b32 e, b; max.ftz.f32 t, ${4 + i}, 0fC2FE0000; "
-                         "add.rn.ftz.f32 j, t, 0f4B400000; sub.rn.ftz.f32 f, j, 0f4B400000; sub.rn.ftz.f32 f, t, f; "
-                         "fma.rn.ftz.f32 p, f, 0f3D61512E, 0f3E780627; fma.rn.ftz.f32 p, p, f, 0f3F317AFD; "
-                         "fma.rn.ftz.f32 p, p, f, 0f3F800000; mov.b32 e, j; shl.b32 e, e, 23; mov.b32 b, p; "
-                         f"add.s32 b, b, e; mov.b32 ${i}, b; }}")
-        else:
-            parts.append(f"ex2.approx.ftz.f32 ${i}, ${4 + i};")
-    return "\n".join(parts)
-
-
-@gluon.jit
-def _exp2_p(x, POLY_EXP2: gl.constexpr):
-    """``exp2(x)`` of the probabilities: ``gl.exp2`` (MUFU), or ``POLY_EXP2`` of every 4 elements of a
-    thread's registers on the FMA pipe (`_exp2_asm`), to share the work of an exp2-bound block."""
-    if POLY_EXP2 == 0:
-        p = gl.exp2(x)
-    else:
-        p = gl.inline_asm_elementwise(_exp2_asm(POLY_EXP2), "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32,
-                                      is_pure=True, pack=4)
-    return p
-
-
 @gluon.jit
 def _rows_any(flag):
     """Is ``flag`` (a boolean per row of a warp group's tile) true on some row: a scalar, uniform over the warp
@@ -233,18 +198,17 @@ def _scale_acc(acc, alpha, rescale, o_layout: gl.constexpr):
 @gluon.jit
 def _softmax_any(s, m_i, l_i, offs_m, offs_n, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                  window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr = None,
-                 POLY_EXP2: gl.constexpr = 0):
+                 HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr = None):
     """`_softmax_block` with the element mask only outside the fully visible band
     ``[mid_lo, mid_hi)`` (a uniform branch: one software-pipelined loop serves both kinds of block)."""
     if (n_start < n_mid_lo) | (n_start >= n_mid_hi):
         p, alpha, m_new, l_new = _softmax_block(s, m_i, l_i, offs_m, n_start + offs_n, len_q, len_kv, qk_scale_log2,
                                                 window_left, window_right, chunk_size, True, HAS_LEFT, HAS_RIGHT,
-                                                HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD, POLY_EXP2)
+                                                HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     else:
         p, alpha, m_new, l_new = _softmax_block(s, m_i, l_i, offs_m, n_start + offs_n, len_q, len_kv, qk_scale_log2,
                                                 window_left, window_right, chunk_size, False, HAS_LEFT, HAS_RIGHT,
-                                                HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD, POLY_EXP2)
+                                                HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     return p, alpha, m_new, l_new
 
 

@@ -31,11 +31,10 @@ power of two is held in two column parts. S[j+1] is then two wgmma groups chaine
 one per value part, so the wait under the softmax leaves the PV groups (1 or 2) pending. ``PLAIN`` (one
 power-of-two dim for q, k and v) keeps the code of the single-part kernel.
 
-Opt-in softmax variants (`configs.GluonConfig`; off by default, the kernel's code then as without them):
-``RESCALE_THRESHOLD`` (lazy rescaling: a row's max moves only by more than the threshold, and a consumer skips
-the O rescale when none of its 64 rows moved: a warp-group-uniform branch on `common_sm90._rows_any`, a reduction
-over the group's warps through shared memory and barriers over the group's 128 threads) and ``POLY_EXP2`` (that
-many of every 4 probabilities' exp2 on the FMA pipe, `common_sm90._exp2_p`).
+Lazy rescaling (`configs.GluonConfig.rescale_threshold`; off where None, the kernel's code then as without it):
+``RESCALE_THRESHOLD``: a row's max moves only by more than the threshold, and a consumer skips the O rescale when
+none of its 64 rows moved (a warp-group-uniform branch on `common_sm90._rows_any`, a reduction over the group's
+warps through shared memory and barriers over the group's 128 threads).
 
 Budget (contract with `packattn.ops.varlen.launch_sm90.fwd_resources`): shared memory ``BLOCK_M HEAD_DIM +
 STAGES BLOCK_N (HEAD_DIM + HEAD_DIM_V)`` elements plus the mbarriers (d = 128, 128 x 128, 3 stages: 224 KB of
@@ -184,14 +183,13 @@ def _rescale_threshold(arg):
 @gluon.jit
 def _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                     window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-                    POLY_EXP2: gl.constexpr):
-    """`common_sm90._softmax_any` of one block: ``(p, alpha, m, l, rescale)``. ``rescale``: the constant True
-    without lazy rescaling; with it (``RESCALE_THRESHOLD``) whether some row of the warp group moved its max from a finite
+                    HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+    """`common_sm90._softmax_any` of one block: ``(p, alpha, m, l, rescale)``. ``rescale``: the constant True without
+    lazy rescaling; with it (``RESCALE_THRESHOLD``) whether some row of the warp group moved its max from a finite
     value, i.e. whether the output needs ``alpha`` (a row whose max was -inf has ``acc = 0``)."""
     p, alpha, m_new, l_new = _softmax_any(s, m_i, l_i, offs_m, offs_n, n_start, n_mid_lo, n_mid_hi, len_q, len_kv,
                                           qk_scale_log2, window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT,
-                                          HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD, POLY_EXP2)
+                                          HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     rescale = True  # (a constant: the rescale stays unconditional code)
     if RESCALE_THRESHOLD is not None:
         rescale = _rows_any((m_new != m_i) & (m_i > float("-inf")))
@@ -205,13 +203,13 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None,
-               RESCALE_THRESHOLD: gl.constexpr = None, POLY_EXP2: gl.constexpr = 0):
+               RESCALE_THRESHOLD: gl.constexpr = None):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
     through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
     operands: the second column parts (`fwd_sm90_parts`) or None; with ``v_lo_bufs`` the output accumulator
     ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
-    tiles whose last block had a V tail. ``RESCALE_THRESHOLD`` / ``POLY_EXP2``: `_attend_softmax`."""
+    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`."""
     dtype: gl.constexpr = q_wg.dtype
     acc_lo = None
     if v_lo_bufs is not None:
@@ -220,8 +218,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
     s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES), ))
     p, alpha, m_i, l_i, rescale = _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q,
                                                   len_kv, qk_scale_log2, window_left, window_right, chunk_size,
-                                                  HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD,
-                                                  POLY_EXP2)
+                                                  HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
         s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
@@ -235,8 +232,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
             s = warpgroup_mma_wait(2, deps=(s_tok, ))  # S[j+1] done; PV[j]'s two parts keep running
         p, alpha, m_i, l_i, rescale = _attend_softmax(
             s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
-            window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD,
-            POLY_EXP2)
+            window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
         if v_lo_bufs is None:
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
         else:
@@ -273,7 +269,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr,
-                 RESCALE_ARG: gl.constexpr = -1.0, POLY_EXP2: gl.constexpr = 0):
+                 RESCALE_ARG: gl.constexpr = -1.0):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
     ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it.
@@ -314,7 +310,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
                         BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs,
-                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), POLY_EXP2)
+                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG))
                 else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
@@ -325,7 +321,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout,
-                    _rescale_threshold(RESCALE_ARG), POLY_EXP2)
+                    _rescale_threshold(RESCALE_ARG))
             else:
                 mbarrier.arrive(q_empty, count=1)
             if o_lo_layout is not None:
@@ -345,13 +341,13 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0, POLY_EXP2: gl.constexpr = 0):
+                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
                  q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, POLY_EXP2)
+                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG)
 
 
 @gluon.jit
@@ -364,15 +360,15 @@ def varlen_fwd_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None, POLY_EXP2: gl.constexpr = 0,
+    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
     `packattn.ops.runtime.sm90.ws_split`. ``HEAD_DIM`` (q/k) and ``HEAD_DIM_V`` (v, out): a dim that is not a
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
-    ``RESCALE_THRESHOLD`` (None: off) and ``POLY_EXP2`` (0: off): the opt-in softmax variants of
-    `configs.GluonConfig` (``rescale_threshold``, ``poly_exp2``; `common_sm90._new_max`, `common_sm90._exp2_p`)."""
+    ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
+    (`common_sm90._new_max`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -408,13 +404,13 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), POLY_EXP2)),
+                            _rescale_arg(RESCALE_THRESHOLD))),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                                   _rescale_arg(RESCALE_THRESHOLD), POLY_EXP2)),
+                                   _rescale_arg(RESCALE_THRESHOLD))),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
@@ -427,7 +423,7 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), POLY_EXP2)),
+                            _rescale_arg(RESCALE_THRESHOLD))),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,

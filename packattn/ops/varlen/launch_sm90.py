@@ -138,10 +138,9 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
 
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
-    """The forward kernel's constexprs of ``cfg``'s opt-in softmax variants (``RESCALE_THRESHOLD`` None or a
-    float, ``POLY_EXP2``)."""
+    """The forward kernel's constexpr of ``cfg``'s lazy rescaling: ``RESCALE_THRESHOLD``, None (off) or a float."""
     t = cfg.rescale_threshold
-    return {"RESCALE_THRESHOLD": None if t is None else float(t), "POLY_EXP2": cfg.poly_exp2}
+    return {"RESCALE_THRESHOLD": None if t is None else float(t)}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
