@@ -47,7 +47,7 @@ def step_fn(w, forward_only: bool = False):
     tree = isinstance(desc, packattn.Tree)
     options = {} if tree else w.options
     backend = "triton_tree" if tree else "triton"
-    dout = torch.randn_like(q)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)  # out's shape (MLA: d_v)
 
     def step():
         out = packattn.attention(q, k, v, desc, backend=backend, **options)

@@ -9,7 +9,7 @@ import torch
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90
-from packattn.ops.varlen import configs, launch_sm90, op
+from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts, op
 from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig
 
 
@@ -270,13 +270,16 @@ def test_dq_tables_are_valid_and_every_config_computes_delta_within_a_cta():
     """Every table config is one the dQ kernel takes and fits one CTA's shared memory with O (the backward
     always lets the Gluon dQ compute delta, `op.fuses_delta`); the one-consumer ones up to d = 128 fit two."""
     for table in (configs.DQ_CONFIGS, configs.DQ_SHORT_CONFIGS):
-        for d, cfg in table.items():
+        for key, cfg in table.items():
             configs.check_dq_config(cfg)
+            d, d_v = (key, key) if isinstance(key, int) else key
+            if launch_sm90_bwd_parts.in_parts(d, d_v):  # 96, 192, MLA: the part kernel's layout
+                assert launch_sm90_bwd_parts.dq_parts_shared_bytes(cfg, d, d_v, delta_from_o=True) <= 232448, key
+                continue
             assert launch_sm90.dq_shared_bytes(cfg, d, delta_from_o=True) <= 232448, (d, cfg)
             if cfg.block_m == 64 and d <= 128:
                 assert launch_sm90.dq_resources(cfg, d, True)["ctas_per_sm"] == 2, (d, cfg)
-    assert configs.DQ_CONFIGS == {64: _cfg("128,128,2,8"), 128: _cfg("128,64,4,8"), 256: _cfg("64,64,2,4")}
-    assert configs.DQ_SHORT_CONFIGS == {128: _cfg("64,64,2,4")}
+    assert set(configs.DQ_CONFIGS) == set(configs.GLUON_HEAD_DIMS)
 
 
 def test_dq_query_tiles_follow_a_forced_config(monkeypatch):
