@@ -14,7 +14,8 @@ The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the
   96 and 192 against the float32 reference (the tree kernels refuse MLA);
 * timing: forward + backward on W1-style lengths (`doc_lengths(32768, 0)`, 16384 tokens for d >= 192), heads
   16/4, bf16, causal, with the tables (Gluon backward) and under `triton_bwd_tables` (the Triton backward; the
-  forward is Gluon in both), median of do_bench timings, TF/s on useful FLOPs (``2 (d + d_v) * 2.5`` per visible pair and head).
+  forward is Gluon in both), median of do_bench timings, TF/s on useful FLOPs (``2 (d + d_v) * 3.5`` per visible
+  pair and head: the forward's and the backward's 2.5 times as many, as `packattn bench` counts).
 
     export PYTHONPATH=$PWD; python scripts/gluon_bwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 """
@@ -177,7 +178,7 @@ def timing(all_dims) -> list[tuple]:
         lengths = doc_lengths(16384 if dims[0] >= 192 else 32768, 0)
         seqs = Varlen.from_lengths(lengths, device="cuda")
         q, k, v, dout = make_inputs(seqs, (16, 4), dims)
-        flops = 2.5 * 2 * (dims[0] + dims[1]) * sum(n * (n + 1) // 2 for n in lengths) * 16
+        flops = 3.5 * 2 * (dims[0] + dims[1]) * sum(n * (n + 1) // 2 for n in lengths) * 16
 
         def run(q=q, k=k, v=v, dout=dout, seqs=seqs):
             fwd_bwd(q, k, v, dout, seqs, causal=True)
