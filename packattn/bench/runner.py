@@ -19,12 +19,10 @@ from packattn.bench.workloads import TreeWorkload, Workload, all_workloads, head
 
 def _do_bench(fn, warmup: int = 250, rep: int = 100) -> float:
     """Median ms of ``fn`` over ``rep`` ms of calls, after ``warmup`` ms of the same calls (triton.testing.do_bench,
-    which flushes the L2 cache before every timed call). The defaults, 250 / 100 ms: on an H100 our kernels run
-    at the 700 W power limit (1560-1680 MHz where torch's varlen_attn keeps 1965), and the clocks a row
-    starts with depend on the row before it, so the warm-up is long enough for them to move towards this
-    call's own level (with 25 ms warm-ups W1's forward varied by 9% across runs). It did not remove the drift
-    of W3's forward in the full bench (benchmarks/NOTES.md, "W3 against W1"); measuring every row in several
-    rounds did (`run_bench`'s ``rounds``)."""
+    which flushes the L2 cache before every timed call). The long warm-up: a GPU at its power limit runs a
+    kernel at clocks that depend on what ran before it, so the warm-up lets them settle at this call's own
+    level; the remaining drift is averaged out by measuring every row in several rounds (`run_bench`'s
+    ``rounds``; benchmarks/NOTES.md has the measurements behind both)."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
