@@ -1,0 +1,163 @@
+"""Compile the key-split Gluon dK/dV kernel (`packattn.ops.varlen.bwd_dkdv_sm90_ksplit`) for sm_90a on a machine
+without a GPU, under every mask and the tree mask, and check registers / spills, shared memory (against the launcher's
+formula, `launch_sm90_ksplit.ksplit_shared_bytes`), ptxas warnings, the partitions' setmaxnreg budgets and the
+overlap (the main loop waits with a wgmma group pending while ``ex2`` runs).
+
+    python scripts/check_gluon_ksplit_compile.py                           # 192, 256 x bf16, fp16 x masks + tree
+    python scripts/check_gluon_ksplit_compile.py --dims 256 --dtypes bf16 --masks R --stages 2 3
+    python scripts/check_gluon_ksplit_compile.py --dims 192:128 --no-tree  # MLA
+
+Prints one block per variant and a summary table (registers, spills, shared memory per dims / stages / dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton
+from check_gluon_bwd_compile import (
+    ALIGNED,
+    DTYPES,
+    INT_POINTERS,
+    MASKS,
+    SHARED_LIMIT,
+    _descriptor_type,
+    _root_cause,
+    ptxas_report,
+)
+from check_gluon_bwd_parts_compile import descriptor_blocks, dims_label, overlap
+from check_gluon_compile import parse_dims, sass_register_regions
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from packattn.ops.runtime.sm90 import ws_split
+from packattn.ops.varlen.configs import GluonBwdConfig
+from packattn.ops.varlen.launch_sm90_ksplit import ksplit_resources, ksplit_shared_bytes
+
+DEFAULT_DIMS = [(256, 256), (192, 192)]
+FORMULA_SLACK = 1024  # bytes the compiled kernel may use beyond `ksplit_shared_bytes`
+# stages per dims the sweep compiles (3 slots of 64 x 256 Q and dO do not fit next to K / V and the exchange)
+STAGES = {(256, 256): (2, ), (192, 192): (2, 3), (192, 128): (2, 3)}
+
+
+def ksplit_config(stages: int) -> GluonBwdConfig:
+    """The key-split kernel's config with ``stages`` ring slots (blocks are fixed: 64 keys, 64 queries, 8 warps)."""
+    return GluonBwdConfig(64, 64, stages, 8)
+
+
+def compile_ksplit(dtype_name: str, dims, mask: str, stages: int, tree: bool = False):
+    """``triton.compile`` of one variant as `launch_sm90_ksplit.gluon_dkdv_ksplit` launches it; returns ``(compiled,
+    resources)``."""
+    from packattn.ops.varlen.bwd_dkdv_sm90_ksplit import (
+        varlen_bwd_dkdv_ksplit_kernel as fn,
+    )
+
+    d, dv = dims
+    cfg = ksplit_config(stages)
+    res = ksplit_resources(cfg, d, dv)
+    dtype = DTYPES[dtype_name]
+    constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=64, BLOCK_N=64, STAGES=stages, HAS_LEFT="L" in mask,
+                      HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask, TREE=tree,
+                      CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
+    blocks = {n: b for n, b in descriptor_blocks(dims, cfg).items() if n in fn.arg_names}
+    constexprs.update({n: None for n, b in blocks.items() if b is None})
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in blocks:
+            signature[name] = _descriptor_type(dtype, blocks[name])
+        elif name in ("dK", "dV"):
+            signature[name] = "*" + dtype_name
+        elif name in ("Lse", "Delta"):
+            signature[name] = "*fp32"
+        elif name in INT_POINTERS:
+            signature[name] = "*i32"
+        elif name in ("qk_scale_log2", "scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
+    constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
+    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
+    compiled = triton.compile(GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    return compiled, res
+
+
+def check(dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str, dict]:
+    """Compile one variant and judge it: ``(ok, report lines, summary row)``."""
+    label = f"ksplit {dtype_name} d={dims_label(dims):7s} x{stages} mask={mask_name or '-':4s}"
+    try:
+        compiled, res = compile_ksplit(dtype_name, dims, "" if tree else mask_name, stages, tree)
+    except Exception as e:  # report and go on
+        return False, f"{label}: FAILED {type(e).__name__}: {str(e)[-600:]}\n    cause: {_root_cause(e)}", {}
+    shared = compiled.metadata.shared
+    formula = ksplit_shared_bytes(ksplit_config(stages), *dims)
+    usage, warnings = ptxas_report(compiled.asm["ptx"])
+    warnings = [w for w in warnings if "Too many maxnreg" not in w]  # maxnreg 256 capped at 255 (as on main)
+    ok, detail = overlap(compiled)
+    spills = re.search(r"(\d+) bytes spill stores", usage)
+    nspill = int(spills.group(1)) if spills else 0
+    regions = sass_register_regions(compiled.asm["cubin"])
+    over = [r for r in regions if r[1] > r[0]]
+    fits = ws_split(8, shared)["ctas_per_sm"]
+    # the compiler adds a few hundred bytes (warp-specialisation captures, alignment) to the formula's buffers
+    off = not formula <= shared <= formula + FORMULA_SLACK
+    bad = (shared > SHARED_LIMIT or off or fits < res["ctas_per_sm"] or not ok or bool(warnings) or bool(over)
+           or nspill > 0)
+    lines = [(f"{label}: shared={shared} (formula {formula}{' OFF' if off else ''})"
+              f"{' OVER' if shared > SHARED_LIMIT else ''} ctas_per_sm={res['ctas_per_sm']} (fits {fits}) "
+              f"consumer_regs={res['consumer_regs']} | {usage}"),
+             f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
+    if regions:
+        lines.append("    partitions (budget: used / instructions): "
+                     + "; ".join(f"{lim}: {used} / {n}" for lim, used, n in regions) + (" OVER" if over else ""))
+    lines += [f"    ptxas: {w}" for w in warnings]
+    regs = max((used for _lim, used, _n in regions), default=-1)
+    row = dict(dims=dims_label(dims), stages=stages, dtype=dtype_name, mask=mask_name or "-", shared=shared,
+               regs=regs, spills=nspill, ok=not bad)
+    return not bad, "\n".join(lines), row
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per (dims, stages, dtype): the masks compiled, max registers used by a partition, spills, shared."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["dims"], r["stages"], r["dtype"]), []).append(r)
+    out = ["dims     stages dtype variants  max_regs  spill_B  shared_B  all_ok"]
+    for (dims, stages, dtype), rs in groups.items():
+        out.append(f"{dims:8s} {stages:6d} {dtype:5s} {len(rs):8d} {max(r['regs'] for r in rs):9d} "
+                   f"{max(r['spills'] for r in rs):8d} {max(r['shared'] for r in rs):9d}  "
+                   f"{all(r['ok'] for r in rs)}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
+    parser.add_argument("--dims", nargs="+", type=parse_dims, default=DEFAULT_DIMS)
+    parser.add_argument("--masks", nargs="+", default=MASKS)
+    parser.add_argument("--stages", nargs="+", type=int, default=None, help="instead of STAGES[dims]")
+    parser.add_argument("--no-tree", action="store_true", help="skip the tree-mask variants")
+    args = parser.parse_args()
+    failures, rows = 0, []
+    for dims in args.dims:
+        for stages in args.stages or STAGES.get(dims, (2, )):
+            for dtype_name in args.dtypes:
+                for mask in args.masks + ([] if args.no_tree else ["tree"]):
+                    ok, text, row = check(dtype_name, dims, mask, stages, mask == "tree")
+                    failures += not ok
+                    rows += [row] if row else []
+                    print(text, flush=True)
+    print(summary(rows))
+    print(f"{failures} variant(s) with problems", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
