@@ -27,10 +27,9 @@ from check_gluon_bwd_compile import (
     SHARED_LIMIT,
     _descriptor_type,
     _root_cause,
-    ptxas_report,
 )
 from check_gluon_bwd_parts_compile import descriptor_blocks, dims_label, overlap
-from check_gluon_compile import parse_dims, sass_register_regions
+from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
