@@ -225,6 +225,9 @@ class GluonBwdConfig:
     block_n: int
     stages: int  # ring slots
     num_warps: int  # the consumer warps; the launch adds the producer warp
+    # dK/dV only, opt-in (no table holds one): the key-split kernel (`launch_sm90_ksplit`, d = 192 / 256): block_m
+    # 64 queries a step, block_n 64 keys, num_warps 8 (two consumer warp groups of 32 keys' S / dP each)
+    key_split: bool = False
 
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
@@ -274,6 +277,11 @@ def check_dkdv_config(cfg: GluonBwdConfig) -> None:
     """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
     (block_n 128, num_warps 8), one (block_n 64, num_warps 4), or two splitting the head dim of one 64-key tile
     (block_n 64, num_warps 8: `dkdv_splits_head_dim`), 32 or 64 queries per step, >= 2 stages."""
+    if cfg.key_split:
+        if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 8) or cfg.stages < 2:
+            raise ValueError(f"{cfg}: the key-split dK/dV kernel takes block_m 64, block_n 64, num_warps 8 (two "
+                             "consumer warp groups) and stages >= 2")
+        return
     two = (cfg.block_n, cfg.num_warps) == (128, 8)
     one = (cfg.block_n, cfg.num_warps) == (64, 4)
     if not (one or two or dkdv_splits_head_dim(cfg)) or cfg.block_m not in (32, 64) or cfg.stages < 2:
@@ -286,12 +294,14 @@ def dkdv_splits_head_dim(cfg: GluonBwdConfig) -> bool:
     """Do the dK/dV kernel's two consumer warp groups share one 64-key tile, each computing S^T and dP^T over the
     whole head dim and dK / dV over half its columns (block_n 64, num_warps 8: the kernel's ``SPLIT_D``)? Where
     64 x d float32 dK and dV do not fit one warp group's registers (d = 256)."""
-    return (cfg.block_n, cfg.num_warps) == (64, 8)
+    return (cfg.block_n, cfg.num_warps) == (64, 8) and not cfg.key_split
 
 
 def check_dq_config(cfg: GluonBwdConfig) -> None:
     """Raise ValueError unless the warp-specialised dQ kernel takes ``cfg``: two consumer warp groups (block_m 128,
     num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages."""
+    if cfg.key_split:
+        raise ValueError(f"{cfg}: key_split is a dK/dV option (the dQ kernel has none)")
     two = (cfg.block_m, cfg.num_warps) == (128, 8)
     one = (cfg.block_m, cfg.num_warps) == (64, 4)
     if not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:

@@ -24,6 +24,7 @@ from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv
                                          dkdv_splits_head_dim, heads_per_section)
 from packattn.ops.varlen.launch_sm90_bwd_parts import (dkdv_parts_shared_bytes, dq_parts_shared_bytes, gluon_dkdv_parts,
                                                       gluon_dq_parts, in_parts, parts_split)
+from packattn.ops.varlen.launch_sm90_ksplit import gluon_dkdv_ksplit
 
 
 # ---------------------------------------------------------------- shared memory and register split
@@ -166,6 +167,9 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
     if tree:
         mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
     section = heads_per_section(q.shape[1], q.shape[1] // heads_kv, short_seqs) * heads_kv // q.shape[1]  # kv heads
+    if cfg.key_split:  # opt-in: the keys split over the consumer warp groups (d = 192 / 256)
+        return gluon_dkdv_ksplit(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale, mask, cfg, section,
+                                 part_descriptors, key_end)
     if in_parts(q.shape[-1], v.shape[-1]):  # column parts / a value head dim of its own
         return gluon_dkdv_parts(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale, mask, cfg, section,
                                 part_descriptors, key_end)
