@@ -4,7 +4,7 @@ backend="small_seq")`` as a fraction of the device's copy bandwidth, for head di
 `packattn.ops.small_seq.configs` per shape, timed in interleaved rounds in one process.
 
     export PYTHONPATH=$PWD; python benchmarks/small_seq_sweep.py --out results.json
-    python benchmarks/small_seq_sweep.py --shapes d256-8/2 --variant "x=mma h1 c2 u8 w4 s5|mma h1 c1 u8 w8 s3"
+    python benchmarks/small_seq_sweep.py --shapes d256-8/2 --variant "x=h1 c2 u8 w4 s5|h1 c1 u8 w8 s3"
 
 Bandwidth = minimum bytes / time (`packattn.bench.small_seq.SmallSeqWorkload`: forward q, k, v read and out
 written; the backward adds q, k, v, dout read and dq, dk, dv written; bf16), time = triton.testing.do_bench
@@ -61,9 +61,9 @@ ALT = {
 # items' query rows instead of one item's group padded to 16 rows; at group 1 dots instead of outer products)
 PROPOSED = {  # the candidates still open (the sweep's winners are the defaults of configs.py: NOTES.md, v35)
     "d128-8/2": {  # forward: 82 instr/KB, not issue-bound: more KB in flight; backward: fewer instr/KB
-        "f-h1w1": ("mma h1 c1 u8 w1 s5", None), "f-i4w2": ("mma h1 c1 u8 w2 s5 i4", None),
-        "b-w1": (None, "mma h1 c1 u8 w1 s5"), "b-i4w4": (None, "mma h1 c1 u8 w4 s5 i4"),
-        "b-i4c2": (None, "mma h1 c2 u8 w4 s5 i4")},
+        "f-h1w1": ("h1 c1 u8 w1 s5", None), "f-i4w2": ("h1 c1 u8 w2 s5 i4", None),
+        "b-w1": (None, "h1 c1 u8 w1 s5"), "b-i4w4": (None, "h1 c1 u8 w4 s5 i4"),
+        "b-i4c2": (None, "h1 c2 u8 w4 s5 i4")},
 }
 FWD_TARGET, FWDBWD_TARGET = 0.85, 0.60
 

@@ -3,8 +3,8 @@
 group: ptxas registers / spills, shared memory, and how many programs fit on an SM by each limit.
 
     python scripts/check_small_seq_compile.py --head-dims 256 512 --groups 1 4
-    python scripts/check_small_seq_compile.py --config "mma h1 c2 u4 w4 s5" --passes bwd
-    python scripts/check_small_seq_compile.py --config "mma h1 c1 u8 w2 s5 i4" --head-dims 64 --groups 4
+    python scripts/check_small_seq_compile.py --config "h1 c2 u4 w4 s5" --passes bwd
+    python scripts/check_small_seq_compile.py --config "h1 c1 u8 w2 s5 i4" --head-dims 64 --groups 4
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> int:
     parser.add_argument("--groups", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--heads-kv", type=int, default=8, help="kv heads (8 / group by default: heads_q 8)")
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    parser.add_argument("--config", help='one config for every case, e.g. "mma h2 c1 u8 w4 s5" or "mma h1 c1 u8 w2 s5 i4"')
+    parser.add_argument("--config", help='one config for every case, e.g. "h2 c1 u8 w4 s5" or "h1 c1 u8 w2 s5 i4"')
     args = parser.parse_args()
     failures = 0
     for head_dim in args.head_dims:

@@ -23,12 +23,12 @@ from packattn.ops.small_seq.op import MAX_KEYS
 
 LENGTHS = [16, 0, 1, 5, 9, 3]  # full, empty, one key, and others: six items
 CONFIGS = [
-    "mma h1 c1 u1 w4 s1",  # one unit per program, no pipelining
-    "mma h1 c2 u3 w2 s5",  # head-dim chunks (the chunk tiles reloaded for the gradients), 3 units a program
-    "mma h2 c1 u4 w2 s3",  # two kv heads per unit (3-D tiles)
-    "mma h4 c4 u5 w4 s5",  # four kv heads per unit and four chunks
-    "mma h1 c1 u3 w2 s5 i4",  # four items a unit (stacked query rows, block-diagonal scores)
-    "mma h1 c2 u2 w1 s3 i2",  # two items a unit (backward rows padded to 8 an item), chunks
+    "h1 c1 u1 w4 s1",  # one unit per program, no pipelining
+    "h1 c2 u3 w2 s5",  # head-dim chunks (the chunk tiles reloaded for the gradients), 3 units a program
+    "h2 c1 u4 w2 s3",  # two kv heads per unit (3-D tiles)
+    "h4 c4 u5 w4 s5",  # four kv heads per unit and four chunks
+    "h1 c1 u3 w2 s5 i4",  # four items a unit (stacked query rows, block-diagonal scores)
+    "h1 c2 u2 w1 s3 i2",  # two items a unit (backward rows padded to 8 an item), chunks
 ]
 
 
@@ -49,7 +49,7 @@ def test_launch_shapes(config, heads):
         check_fp32(LENGTHS + [2, 16, 7], heads=heads, head_dim=64)
 
 
-@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "mma h1 c2 u2 w4 s3 i2"])
+@pytest.mark.parametrize("config", ["h2 c2 u3 w2 s5", "h1 c2 u2 w4 s3 i2"])
 def test_launch_shapes_at_512(config):
     c = configs.SmallSeqConfig.parse(config)
     with configs.override(fwd=c, bwd=c):
@@ -60,20 +60,20 @@ def test_launch_shapes_at_512(config):
 @pytest.mark.parametrize("group", [1, 4])
 def test_stacked_items_at_head_dims(head_dim, group):
     """Two items a unit at the head dims `test_launch_shapes` does not take (one and two chunks)."""
-    for text in ("mma h1 c1 u2 w2 s3 i2", "mma h1 c2 u3 w4 s5 i2"):
+    for text in ("h1 c1 u2 w2 s3 i2", "h1 c2 u3 w4 s5 i2"):
         c = configs.SmallSeqConfig.parse(text)
         with configs.override(fwd=c, bwd=c):
             check_fp32([16, 0, 7], heads=(2 * group, 2), head_dim=head_dim)
 
 
-@pytest.mark.parametrize("config", ["mma h2 c1 u4", "mma h1 c1 u4 i4"])
+@pytest.mark.parametrize("config", ["h2 c1 u4", "h1 c1 u4 i4"])
 def test_every_kv_length_gqa(config):
     c = configs.SmallSeqConfig.parse(config)
     with configs.override(fwd=c, bwd=c):
         check_fp32(list(range(MAX_KEYS + 1)), heads=(8, 2), head_dim=64)
 
 
-@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "mma h1 c1 u2 w2 s5 i4"])
+@pytest.mark.parametrize("config", ["h2 c2 u3 w2 s5", "h1 c1 u2 w2 s5 i4"])
 def test_padding_and_items_without_query(config):
     """Rows in no item: zeros / -inf; an item with no query: zero dK/dV on its keys."""
     lengths_kv, lengths_q = [3, 16, 0, 9, 5], [1, 1, 1, 0, 1]
@@ -93,7 +93,7 @@ def test_padding_and_items_without_query(config):
 
 @pytest.mark.parametrize("head_dim", [64, 512])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("config", [None, "mma h1 c1 u2 w2 s5 i4"])
+@pytest.mark.parametrize("config", [None, "h1 c1 u2 w2 s5 i4"])
 def test_fp16_within_twice_torch_fp16_error(head_dim, group, config):
     """fp16 (P and dS rounded to fp16 before their products): within twice the error of the same loop in
     plain fp16 torch, lse within 1e-3; the default configs and four items a unit."""
@@ -120,7 +120,7 @@ def test_large_scores_keep_gradients_accurate():
     check_fp32([16, 4, 9], heads=(8, 2), head_dim=128, scale=8.0, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", ["mma h2 c2 u3 w2 s5", "mma h1 c1 u1 w4 s1", "mma h1 c1 u3 w2 s5 i4"])
+@pytest.mark.parametrize("config", ["h2 c2 u3 w2 s5", "h1 c1 u1 w4 s1", "h1 c1 u3 w2 s5 i4"])
 def test_dense_gqa_unused_slots(config):
     """The dense entry point (keys read in place, ``kv_fill`` zero rows) with GQA 4 at head dim 128."""
     gen = torch.Generator().manual_seed(7)
@@ -152,11 +152,11 @@ def test_override_checks_configs():
     for match, kwargs in bad:
         with pytest.raises(ValueError, match=match), configs.override(**kwargs):
             pass
-    for text in ("mma x2", "fma w1", ""):
+    for text in ("x2", "fma w1", "", " ", "h", "h2 c1 q3", "mma h2 c1 u8 w2 s5"):  # no kernel word
         with pytest.raises(ValueError, match="not a small-seq config"):
             configs.SmallSeqConfig.parse(text)
-    assert configs.SmallSeqConfig.parse("mma c2 h4 u3") == configs.SmallSeqConfig(block_h=4, d_chunks=2, units=3)
-    for text in ("mma h2 c1 u8 w2 s5", "mma h1 c2 u4 w8 s3 i2"):
+    assert configs.SmallSeqConfig.parse("c2 h4 u3") == configs.SmallSeqConfig(block_h=4, d_chunks=2, units=3)
+    for text in ("h2 c1 u8 w2 s5", "h1 c2 u4 w8 s3 i2"):
         assert configs.SmallSeqConfig.parse(text).describe() == text
     assert configs.block_g(1, True) == 1 and configs.block_g(3, True) == 16 and configs.block_g(3, False) == 4
     # stacked items: the backward's rows of a unit reach 16, the forward's stay the group's
@@ -184,7 +184,7 @@ def test_config_too_large_for_an_sm_shrinks(monkeypatch):
     monkeypatch.setattr(op, "_launch_config", launch)
     monkeypatch.setattr(op, "_shrunk", {})
     c = configs.SmallSeqConfig(block_h=4, num_stages=5)
-    with configs.override(fwd=c, bwd=c), pytest.warns(UserWarning, match="h4 .* -> mma h2"):
+    with configs.override(fwd=c, bwd=c), pytest.warns(UserWarning, match="h4 .* -> h2"):
         check_fp32([16, 0, 5], heads=(8, 4), head_dim=64)
     assert tried[:4] == [("fwd", 4, 1, 5), ("fwd", 2, 1, 5), ("fwd", 1, 1, 5), ("fwd", 1, 1, 3)]
     assert ("bwd", 1, 1, 3) in tried and len(op._shrunk) == 2

@@ -34,21 +34,20 @@ class SmallSeqConfig:
 
     @classmethod
     def parse(cls, text: str) -> SmallSeqConfig:
-        """The config `describe` writes: ``"mma h2 c1 u8 w4 s5"`` or ``"mma h1 c1 u8 w2 s5 i4"`` (fields in
-        any order, missing ones at their defaults; ``w`` is the warps of a ``block_h == 1`` program)."""
-        kernel, *fields = text.split() or [""]
+        """The config `describe` writes: ``"h2 c1 u8 w4 s5"`` or ``"h1 c1 u8 w2 s5 i4"`` (fields in any order,
+        missing ones at their defaults; ``w`` is the warps of a ``block_h == 1`` program)."""
+        fields = text.split()
         try:
-            if kernel != "mma":
+            if not fields:
                 raise ValueError
             return cls(**{_FIELDS[f[0]]: int(f[1:]) for f in fields})
         except (KeyError, ValueError, IndexError):
-            raise ValueError(f"not a small-seq config: {text!r} (e.g. 'mma h2 c1 u8 w4 s5', "
-                             "'mma h1 c1 u8 w2 s5 i4')") from None
+            raise ValueError(f"not a small-seq config: {text!r} (e.g. 'h2 c1 u8 w4 s5', 'h1 c1 u8 w2 s5 i4')") from None
 
     def describe(self) -> str:
         warps = self.block_h if self.block_h > 1 else self.num_warps
         items = f" i{self.items}" if self.items > 1 else ""
-        return f"mma h{self.block_h} c{self.d_chunks} u{self.units} w{warps} s{self.num_stages}{items}"
+        return f"h{self.block_h} c{self.d_chunks} u{self.units} w{warps} s{self.num_stages}{items}"
 
 
 # (head_dim, group bucket) -> config; group buckets: 1 (MHA) and 2+ (GQA/MQA). Chosen from sm_90a compiles

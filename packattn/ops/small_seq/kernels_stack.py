@@ -1,6 +1,7 @@
 """Small-sequence attention on tensor cores with the query rows of ``STACK`` items stacked into one tile
 (configs with ``items > 1``); arguments, results and conventions those of
-`packattn.ops.small_seq.kernels_mma`, one kv head a unit.
+`packattn.ops.small_seq.kernels_mma`, one kv head a unit, whose unit pieces (`_fwd_probs`, `_fwd_out`,
+`_bwd_scores`, `_bwd_store`) work on the stacked tiles as on one kv head's 2-D tiles.
 
 A unit is ``STACK`` consecutive items and one kv head: its query tile holds ``BLOCK_G`` rows per item
 (the item's query heads of that kv head, padded), ``STACK * BLOCK_G`` rows in all, its K/V tiles 16 key
@@ -17,7 +18,13 @@ item's keys are not loaded (zeros) and their dK/dV rows are exact zeros.
 import triton
 import triton.language as tl
 
-from packattn.ops.small_seq.kernels_mma import LN2, _softmax, _softmax_grad
+from packattn.ops.small_seq.kernels_mma import (
+    _bwd_scores,
+    _bwd_store,
+    _fwd_out,
+    _fwd_probs,
+    _unit_range,
+)
 
 
 @triton.jit
@@ -27,8 +34,7 @@ def _stack_unit(q_rows, kv_starts, kv_lens, unit, num_items, group, HEAD_BLOCKS:
     ``q_row`` / ``heads`` / ``g_ok``: per query row (``(rows, 1)``) its item's query row, its query head
     and whether it is real; ``kv_row`` / ``s`` / ``kv_len`` / ``key_ok``: per key row (``(keys, 1)``) its
     physical row, its index within the item, the item's key count (-1 past the last item) and whether it
-    is a key; ``col_ok``:
-    ``(rows, keys)``, the keys a query row sees."""
+    is a key; ``col_ok``: ``(rows, keys)``, the keys a query row sees."""
     item0 = (unit // HEAD_BLOCKS) * STACK
     head = unit % HEAD_BLOCKS
     r = tl.arange(0, STACK * BLOCK_G)
@@ -50,6 +56,12 @@ def _stack_unit(q_rows, kv_starts, kv_lens, unit, num_items, group, HEAD_BLOCKS:
 
 
 @triton.jit
+def _rows(base, row, stride_row, head, stride_head, offs_d):
+    """Row addresses of ``base``: per tile row its physical row ``row`` and head ``head``."""
+    return base + row * stride_row + head * stride_head + offs_d
+
+
+@triton.jit
 def small_seq_fwd_stack_kernel(
     Q, K, V, Out, Lse, q_rows, kv_starts, kv_lens,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
@@ -57,32 +69,19 @@ def small_seq_fwd_stack_kernel(
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
     STACK: tl.constexpr, HEAD_BLOCKS: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    first = tl.program_id(0) * units
-    last = tl.minimum(first + units, num_units)
+    first, last = _unit_range(num_units, units)
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     for unit in tl.range(first, last, num_stages=STAGES):
         head, q_row, heads, g_ok, kv_row, _, _, key_ok, col_ok = _stack_unit(
             q_rows, kv_starts, kv_lens, unit, num_items, group, HEAD_BLOCKS, STACK, BLOCK_G, BLOCK_S)
-        q_ptrs = Q + q_row * stride_q_row + heads * stride_q_head + offs_d
-        k_ptrs = K + kv_row * stride_k_row + head * stride_k_head + offs_d
-        v_ptrs = V + kv_row * stride_v_row + head * stride_v_head + offs_d
-        s = tl.zeros([STACK * BLOCK_G, STACK * BLOCK_S], dtype=tl.float32)
-        for c in tl.static_range(D_CHUNKS):
-            q = tl.load(q_ptrs + c * BLOCK_D, mask=g_ok, other=0.0)
-            k = tl.load(k_ptrs + c * BLOCK_D, mask=key_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), s, input_precision=PRECISION)
-        p, m, denom = _softmax(s, col_ok, qk_scale_log2)
-        has_key = denom > 0.0
-        denom = tl.where(has_key, denom, 1.0)
-        inv = 1.0 / denom
-        p = p.to(V.dtype.element_ty)
-        o_ptrs = Out + q_row * stride_o_row + heads * stride_o_head + offs_d
-        for c in tl.static_range(D_CHUNKS):
-            v = tl.load(v_ptrs + c * BLOCK_D, mask=key_ok, other=0.0)
-            out = tl.dot(p, v, input_precision=PRECISION) * inv
-            tl.store(o_ptrs + c * BLOCK_D, out.to(Out.dtype.element_ty), mask=g_ok)
-        lse = tl.where(has_key, (m + tl.log2(denom)) * LN2, float("-inf"))
-        tl.store(Lse + heads * stride_lse_head + q_row, lse, mask=g_ok)
+        q_ptrs = _rows(Q, q_row, stride_q_row, heads, stride_q_head, offs_d)
+        k_ptrs = _rows(K, kv_row, stride_k_row, head, stride_k_head, offs_d)
+        v_ptrs = _rows(V, kv_row, stride_v_row, head, stride_v_head, offs_d)
+        p, m, denom, has_key, inv = _fwd_probs(q_ptrs, k_ptrs, g_ok, key_ok, col_ok, qk_scale_log2, STACK * BLOCK_G,
+                                               STACK * BLOCK_S, BLOCK_D, D_CHUNKS, 1, PRECISION)
+        o_ptrs = _rows(Out, q_row, stride_o_row, heads, stride_o_head, offs_d)
+        _fwd_out(p, m, denom, has_key, inv, v_ptrs, key_ok, o_ptrs, g_ok, Lse, heads, q_row, stride_lse_head,
+                 BLOCK_D, D_CHUNKS, PRECISION)
 
 
 @triton.jit
@@ -97,42 +96,25 @@ def small_seq_bwd_stack_kernel(
     HAS_DLSE: tl.constexpr,
 ):
     """As `kernels_mma.small_seq_bwd_mma_kernel`; an item's dK/dV rows ``[kv_len, kv_fill)`` are zeros."""
-    first = tl.program_id(0) * units
-    last = tl.minimum(first + units, num_units)
+    first, last = _unit_range(num_units, units)
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     for unit in tl.range(first, last, num_stages=STAGES):
         head, q_row, heads, g_ok, kv_row, s_idx, kv_len, key_ok, col_ok = _stack_unit(
             q_rows, kv_starts, kv_lens, unit, num_items, group, HEAD_BLOCKS, STACK, BLOCK_G, BLOCK_S)
-        q_ptrs = Q + q_row * stride_q_row + heads * stride_q_head + offs_d
-        do_ptrs = dOut + q_row * stride_do_row + heads * stride_do_head + offs_d
-        k_ptrs = K + kv_row * stride_k_row + head * stride_k_head + offs_d
-        v_ptrs = V + kv_row * stride_v_row + head * stride_v_head + offs_d
-        s = tl.zeros([STACK * BLOCK_G, STACK * BLOCK_S], dtype=tl.float32)
-        dp = tl.zeros([STACK * BLOCK_G, STACK * BLOCK_S], dtype=tl.float32)
-        for c in tl.static_range(D_CHUNKS):
-            q = tl.load(q_ptrs + c * BLOCK_D, mask=g_ok, other=0.0)
-            k = tl.load(k_ptrs + c * BLOCK_D, mask=key_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), s, input_precision=PRECISION)
-            do = tl.load(do_ptrs + c * BLOCK_D, mask=g_ok, other=0.0)
-            v = tl.load(v_ptrs + c * BLOCK_D, mask=key_ok, other=0.0)
-            dp = tl.dot(do, tl.trans(v), dp, input_precision=PRECISION)
-        p, ds = _softmax_grad(s, dp, dLse, heads, q_row, g_ok, col_ok, stride_dlse_head, qk_scale_log2, HAS_DLSE)
-        p_t = tl.trans(p).to(Q.dtype.element_ty)
+        q_ptrs = _rows(Q, q_row, stride_q_row, heads, stride_q_head, offs_d)
+        do_ptrs = _rows(dOut, q_row, stride_do_row, heads, stride_do_head, offs_d)
+        k_ptrs = _rows(K, kv_row, stride_k_row, head, stride_k_head, offs_d)
+        v_ptrs = _rows(V, kv_row, stride_v_row, head, stride_v_head, offs_d)
+        q, k, do, p, ds = _bwd_scores(q_ptrs, do_ptrs, k_ptrs, v_ptrs, g_ok, key_ok, col_ok,
+                                      dLse, heads, q_row, stride_dlse_head, qk_scale_log2,
+                                      STACK * BLOCK_G, STACK * BLOCK_S, BLOCK_D, D_CHUNKS, 1, PRECISION, HAS_DLSE)
+        p_t = tl.trans(p).to(Q.dtype.element_ty)  # rounded once (`_kv_grad` rounds again per chunk: a no-op)
         ds_t = tl.trans(ds).to(Q.dtype.element_ty)
         ds = ds.to(Q.dtype.element_ty)
         # an item's rows past its keys hold exact zeros (P = 0 there); no rows of items past the last
         kv_rows = (kv_len >= 0) & (s_idx < tl.maximum(kv_len, kv_fill))
-        dq_ptrs = dQ + q_row * stride_dq_row + heads * stride_dq_head + offs_d
-        dk_ptrs = dK + kv_row * stride_dk_row + head * stride_dk_head + offs_d
-        dv_ptrs = dV + kv_row * stride_dv_row + head * stride_dv_head + offs_d
-        for c in tl.static_range(D_CHUNKS):
-            if D_CHUNKS > 1:  # one chunk: the tiles of the loop above
-                q = tl.load(q_ptrs + c * BLOCK_D, mask=g_ok, other=0.0)
-                k = tl.load(k_ptrs + c * BLOCK_D, mask=key_ok, other=0.0)
-                do = tl.load(do_ptrs + c * BLOCK_D, mask=g_ok, other=0.0)
-            dq = tl.dot(ds, k, input_precision=PRECISION) * scale
-            tl.store(dq_ptrs + c * BLOCK_D, dq.to(dQ.dtype.element_ty), mask=g_ok)
-            dk = tl.dot(ds_t, q, input_precision=PRECISION) * scale
-            tl.store(dk_ptrs + c * BLOCK_D, dk.to(dK.dtype.element_ty), mask=kv_rows)
-            dv = tl.dot(p_t, do, input_precision=PRECISION)
-            tl.store(dv_ptrs + c * BLOCK_D, dv.to(dV.dtype.element_ty), mask=kv_rows)
+        dq_ptrs = _rows(dQ, q_row, stride_dq_row, heads, stride_dq_head, offs_d)
+        dk_ptrs = _rows(dK, kv_row, stride_dk_row, head, stride_dk_head, offs_d)
+        dv_ptrs = _rows(dV, kv_row, stride_dv_row, head, stride_dv_head, offs_d)
+        _bwd_store(q, k, do, ds, ds_t, p_t, q_ptrs, k_ptrs, do_ptrs, g_ok, key_ok, dq_ptrs, dk_ptrs, dv_ptrs,
+                   kv_rows, scale, STACK * BLOCK_G, BLOCK_D, D_CHUNKS, PRECISION)
