@@ -13,10 +13,10 @@ from packattn.varlen import Varlen
 
 ITEMS = 4096
 C = configs.SmallSeqConfig
-SWEPT = ["mma h1 c1 u8 w1 s5", "mma h1 c2 u8 w2 s5", "mma h1 c1 u8 w4 s5", "mma h1 c2 u8 w4 s5", "mma h1 c1 u8 w8 s5", "mma h2 c1 u8 w2 s5",
-         "mma h4 c1 u8 w4 s5", "mma h8 c1 u8 w8 s5", "mma h1 c4 u4 w4 s5", "mma h1 c1 u2 w4 s3",
-         "mma h1 c1 u24 w4 s1", "mma h1 c1 u8 w2 s5 i4", "mma h1 c2 u4 w8 s3 i2",
-         "mma h1 c1 u8 w4 s3 i8"]
+SWEPT = ["h1 c1 u8 w1 s5", "h1 c2 u8 w2 s5", "h1 c1 u8 w4 s5", "h1 c2 u8 w4 s5", "h1 c1 u8 w8 s5", "h2 c1 u8 w2 s5",
+         "h4 c1 u8 w4 s5", "h8 c1 u8 w8 s5", "h1 c4 u4 w4 s5", "h1 c1 u2 w4 s3",
+         "h1 c1 u24 w4 s1", "h1 c1 u8 w2 s5 i4", "h1 c2 u4 w8 s3 i2",
+         "h1 c1 u8 w4 s3 i8"]
 
 
 def rel_l2(got, ref) -> float:
