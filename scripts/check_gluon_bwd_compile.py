@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
@@ -53,7 +51,7 @@ from packattn.ops.varlen.configs import GluonBwdConfig  # noqa: E402
 from packattn.ops.varlen.launch_sm90 import dkdv_resources, dq_resources  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gluon_compile import parse_dims, sass_register_regions  # noqa: E402
+from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions  # noqa: E402
 from ptx_identity import kernel_signature  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,20 +71,6 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
     dummy = torch.empty(256, 2048, dtype=dtype)  # CPU tensor: only its dtype / alignment matter
     return mangle_type(TensorDescriptor(dummy, list(dummy.shape), list(dummy.stride()), block,
                                         _smem_layout(tuple(block), dtype)))
-
-
-def ptxas_report(ptx: str) -> tuple[str, list[str]]:
-    """(registers / spills line, warnings) from triton's bundled ptxas for sm_90a."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    text = done.stderr + done.stdout
-    usage = " | ".join(line.split("info    : ")[-1].strip() for line in text.splitlines()
-                       if "registers" in line or "spill" in line)
-    warnings = [line.strip() for line in text.splitlines() if "warning" in line.lower()]
-    return usage or text.strip()[-300:], warnings
 
 
 def _ptx_loops(ptx: str) -> list[str]:
@@ -233,7 +217,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=_parse_dims, default=list(configs.GLUON_HEAD_DIMS),
+    default_dims = [_parse_dims(f"{d[0]}:{d[1]}" if isinstance(d, tuple) else str(d)) for d in configs.GLUON_HEAD_DIMS]
+    parser.add_argument("--head-dims", nargs="+", type=_parse_dims, default=default_dims,
                         help="head dims d, or d:d_v; dims in column parts / MLA go to check_gluon_bwd_parts_compile "
                              "(its PROPOSED configs unless --config)")
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))

@@ -20,9 +20,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_gluon_bwd_compile import (ALIGNED, DTYPES, INT_POINTERS, MASKS, SHARED_LIMIT,  # noqa: E402
-                                     _descriptor_type, _ptx_loops, _root_cause, _scf_for_bodies, parse_config,
-                                     ptxas_report)
-from check_gluon_compile import parse_dims, sass_register_regions  # noqa: E402
+                                     _descriptor_type, _ptx_loops, _root_cause, _scf_for_bodies, parse_config)
+from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions  # noqa: E402
+from ptx_identity import kernel_signature  # noqa: E402
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -78,22 +78,10 @@ def compile_part_variant(kernel: str, dtype_name: str, dims, mask: str, cfg, tre
     if kernel == "dq" and not delta_from_o:
         blocks["o_desc"] = blocks["o_lo_desc"] = None
     constexprs.update({n: None for n, b in blocks.items() if b is None and n in fn.arg_names})
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = _descriptor_type(dtype, blocks[name])
-        elif name in ("dK", "dV", "dQ"):
-            signature[name] = "*" + dtype_name
-        elif name in ("Lse", "Delta"):
-            signature[name] = "*fp32"
-        elif name in INT_POINTERS:
-            signature[name] = "*i32"
-        elif name in ("qk_scale_log2", "scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = kernel_signature(fn, constexprs, None, None, "*" + dtype_name, INT_POINTERS)
+    # each descriptor its own block (those of a part the dims lack are None constexprs)
+    signature.update({name: _descriptor_type(dtype, block) for name, block in blocks.items()
+                      if name in signature and name not in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
     options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}

@@ -226,40 +226,58 @@ def _compile(spec: dict, new: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(spec["options"]))
 
 
-def worker(side: str, group: str, keep: str) -> int:
-    """Compile the specs of ``group`` with the packattn on sys.path; write normalised PTX to keep/side/."""
+def ptx_path(keep: str, side: str, label: str) -> str:
+    """Where a worker leaves the normalised PTX of ``label``: ``keep/side/<label, odd characters as _>.ptx``."""
+    return os.path.join(keep, side, re.sub(r"[^\w.-]+", "_", label) + ".ptx")
+
+
+def compile_side(side: str, keep: str, items, compile_one) -> int:
+    """A worker's body: compile each ``(label, item)`` of ``items`` with ``compile_one(item)`` (normalised PTX),
+    write it to `ptx_path` and print one JSON line ``{label: path or "FAILED ..."}`` with ``packattn``: the folder
+    of the package it imported (`run_worker` checks it)."""
     import packattn
 
     results = {"packattn": os.path.dirname(os.path.abspath(packattn.__file__))}
     os.makedirs(os.path.join(keep, side), exist_ok=True)
-    for spec in specs():
-        if spec["group"] != group:
-            continue
-        path = os.path.join(keep, side, re.sub(r"[^\w.-]+", "_", spec["label"]) + ".ptx")
+    for label, item in items:
         try:
-            text = normalise(_compile(spec, side == "new").asm["ptx"])
+            text = compile_one(item)
         except Exception as e:  # report and go on
-            results[spec["label"]] = f"FAILED {type(e).__name__}: {str(e)[-400:]}"
+            results[label] = f"FAILED {type(e).__name__}: {str(e)[-400:]}"
             continue
+        path = ptx_path(keep, side, label)
         with open(path, "w") as f:
             f.write(text)
-        results[spec["label"]] = path
+        results[label] = path
     print(json.dumps(results))
     return 0
 
 
-def run_side(side: str, root: str, group: str, keep: str) -> dict:
+def run_worker(script: str, side: str, root: str, args: list[str]) -> dict:
+    """Run ``script --worker side *args`` in a subprocess that imports the checkout ``root`` (``PYTHONPATH``, cwd;
+    compiling for real: no ``TRITON_INTERPRET``) and return its `compile_side` results; raises if the worker
+    failed or imported another checkout's packattn."""
     env = dict(os.environ, PYTHONPATH=root)
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", side, group, "--keep", keep],
-                          cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, os.path.abspath(script), "--worker", side, *args], cwd=root, env=env,
+                          capture_output=True, text=True, check=False)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             found = json.loads(line)
             if os.path.realpath(found.pop("packattn")) != os.path.realpath(os.path.join(root, "packattn")):
                 raise RuntimeError(f"{side}: imported packattn from the wrong checkout")
             return found
-    raise RuntimeError(f"{side} {group} worker failed:\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"{side} worker {args} failed:\n{done.stderr[-3000:]}")
+
+
+def worker(side: str, group: str, keep: str) -> int:
+    """Compile the specs of ``group`` with the packattn on sys.path; write normalised PTX to keep/side/."""
+    return compile_side(side, keep, [(spec["label"], spec) for spec in specs() if spec["group"] == group],
+                        lambda spec: normalise(_compile(spec, side == "new").asm["ptx"]))
+
+
+def run_side(side: str, root: str, group: str, keep: str) -> dict:
+    return run_worker(__file__, side, root, [group, "--keep", keep])
 
 
 def main() -> int:

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
-import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -113,36 +110,11 @@ def _compile(spec: dict) -> str:
 
 def worker(side: str, keep: str) -> int:
     """Compile every forward spec with the packattn on sys.path; normalised PTX to keep/side/."""
-    import packattn
-
-    results = {"packattn": os.path.dirname(os.path.abspath(packattn.__file__))}
-    os.makedirs(os.path.join(keep, side), exist_ok=True)
-    for spec in fwd_specs():
-        path = os.path.join(keep, side, re.sub(r"[^\w.-]+", "_", spec["label"]) + ".ptx")
-        try:
-            text = _compile(spec)
-        except Exception as e:  # report and go on
-            results[spec["label"]] = f"FAILED {type(e).__name__}: {str(e)[-400:]}"
-            continue
-        with open(path, "w") as f:
-            f.write(text)
-        results[spec["label"]] = path
-    print(json.dumps(results))
-    return 0
+    return ptx_identity.compile_side(side, keep, [(spec["label"], spec) for spec in fwd_specs()], _compile)
 
 
 def run_side(side: str, root: str, keep: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=root)
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", side, "--keep", keep],
-                          cwd=root, env=env, capture_output=True, text=True, check=False)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            found = json.loads(line)
-            if os.path.realpath(found.pop("packattn")) != os.path.realpath(os.path.join(root, "packattn")):
-                raise RuntimeError(f"{side}: imported packattn from the wrong checkout")
-            return found
-    raise RuntimeError(f"{side} worker failed:\n{done.stderr[-3000:]}")
+    return ptx_identity.run_worker(__file__, side, root, ["--keep", keep])
 
 
 def main() -> int:

@@ -44,20 +44,20 @@ with one consumer at two CTAs per SM): dK + dV 128, S^T and dP^T 32 each, the P^
 It fits only because nothing else per query lives across the loop: lse / delta come from shared memory; the
 mask compares the block's query positions, read from a small shared table (``cols``: a ``gl.arange`` would be
 hoisted by LLVM and hold 16 registers through the loop), with two per-key bounds computed once
-(`bwd_common_sm90._query_range_of_keys`); the epilogue decodes the tile row again (through `_opaque_program_id`, and with one
-consumer `_opaque_num_programs`) instead of keeping its scalars.
+(`bwd_common_sm90._query_range_of_keys`); the epilogue decodes the tile row again (through `_opaque_program_id`,
+and with one consumer `_opaque_num_programs`) instead of keeping its scalars.
 
 Tail step (``m_start + BLOCK_M > len_q``, at most one per query head, the same steps in every consumer): with
 two consumers, consumer 0 zeroes the slot's Q rows past ``len_q`` and consumer 1 its dO rows
-(`common_sm90._zero_v_tail`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``
+(`bwd_ws_sm90._zero_tails`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``
 (``ntail``: tail steps so far); neither can arrive twice before the other arrived once. With one consumer it
 zeroes both, with no rendezvous. lse / delta past ``len_q`` land as 0 (cp.async zero fill): those columns get
 finite P^T and zero Q / dO rows, so they add nothing.
 
 ``TREE``: the sequence is a packed trie (one sequence of ``total`` rows), key ``s`` visible to the queries
 ``s <= t < key_end[s]`` (``KeyEnd``: int32 `Tree.row_subtree_end`). Only the per-key bounds change
-(`bwd_common_sm90._query_range_of_tree_keys`); tables (`packattn.ops.tree.tables.build_key_tiles`), band, tails and schedule
-are the varlen ones.
+(`bwd_common_sm90._query_range_of_tree_keys`); tables (`packattn.ops.tree.tables.build_key_tiles`), band, tails and
+schedule are the varlen ones.
 
 Shared memory (contract with `packattn.ops.varlen.launch_sm90.dkdv_shared_bytes`): K and V of the tile, the
 (Q, dO) ring, lse / delta per slot, the query-position tables, the mbarriers; one consumer at d = 128 with
@@ -70,8 +70,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_direct, _store_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
-from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.common_sm90_ws import _opaque_num_programs, _opaque_program_id, _ring_barriers
+from packattn.ops.varlen.bwd_ws_sm90 import _tile_barriers, _zero_tails, ws_partitions
+from packattn.ops.varlen.common_sm90 import _to_operand, mma_layout
+from packattn.ops.varlen.common_sm90_ws import _opaque_num_programs, _opaque_program_id
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group (one wgmma M = 64 per warp group)
 # ---------------------------------------------------------------- consumers
@@ -104,17 +105,7 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
     do_buf = do_bufs.index(slot)
     stat = stats.index(slot)
     if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
-        if CONSUMERS == 1:  # fence + barrier over this warp group inside: its own wgmma see the zeros
-            _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-            _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-        else:
-            if WG == 0:
-                _zero_v_tail(q_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-            else:
-                _zero_v_tail(do_buf, m_start, len_q, BLOCK_M, HEAD_DIM, 4)
-            mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's part is zero too
-            ntail += 1
+        ntail = _zero_tails(q_buf, q_buf, do_buf, do_buf, m_start, len_q, ntail, zero_bar, BLOCK_M, 0, 0, WG, CONSUMERS)
 
     s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_wg, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -156,7 +147,8 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                   TREE: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
     """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
-    K / V have landed (``kv_bar`` phase ``kv_phase``); the query-position table is filled first. Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
+    K / V have landed (``kv_bar`` phase ``kv_phase``); the query-position table is filled first. Returns ``(dk, dv,
+    ntail)`` with no wgmma in flight."""
     offs_k = k_start + WG * WG_KEYS * (1 - SPLIT_D) + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
     q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
@@ -190,10 +182,10 @@ def _store_dkdv(dk, dv, dK, dV, dk_stage, dv_stage, kv_head, first_key, len_kv, 
 def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                       stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                       qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                      q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, WG: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
-                      CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
+                      q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr,
+                      SPLIT_D: gl.constexpr, WG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): keys ``[64 WG, 64 WG + 64)`` of the
     program's key tile, their dK / dV; ``SPLIT_D``: the tile's 64 keys, columns ``[WG d / 2, (WG + 1) d / 2)``
     of their dK / dV."""
@@ -239,19 +231,15 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
 
 
 @gluon.jit
-def _dkdv_ws_consumer_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                             stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                             heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                             k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                             zero_bar, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                             TOP_LEFT: gl.constexpr, TREE: gl.constexpr, SPLIT_D: gl.constexpr):
-    """The second consumer warp group (keys 64..127; ``SPLIT_D``: the upper columns) as a worker partition."""
-    _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
-                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem,
-                      q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 1, HEAD_DIM, BLOCK_M, STAGES,
-                      HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, 2, SPLIT_D)
+def _small_buffers(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr):
+    """``(col_smem, stats, kv_bar, zero_bar, ready, empty)`` of the kernel and of the part kernel
+    (`bwd_dkdv_sm90_parts`), the barriers initialised (`bwd_ws_sm90._tile_barriers`)."""
+    # per consumer: 0 .. BLOCK_M-1, the query positions of a block (see `_probs_t_ws`)
+    col_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # per ring slot: lse (BLOCK_M floats) then delta (BLOCK_M floats) of the slot's queries
+    stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    kv_bar, zero_bar, ready, empty = _tile_barriers(STAGES, CONSUMERS)
+    return col_smem, stats, kv_bar, zero_bar, ready, empty
 
 
 @gluon.jit
@@ -263,20 +251,11 @@ def _dkdv_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLO
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    # per consumer: 0 .. BLOCK_M-1, the query positions of a block (see `_probs_t_ws`)
-    col_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # per ring slot: lse (BLOCK_M floats) then delta (BLOCK_M floats) of the slot's queries
-    stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if CONSUMERS == 2:
-        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(zero_bar, count=2)
-    else:  # the only consumer zeroes both tails: no rendezvous
-        mbarrier.init(kv_bar, count=1)
-        zero_bar = kv_bar  # (unused)
-    ready, empty = _ring_barriers(STAGES, CONSUMERS)
+    col_smem, stats, kv_bar, zero_bar, ready, empty = _small_buffers(STAGES, BLOCK_M, CONSUMERS)
     return k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty
+
+
+_partitions = ws_partitions(_dkdv_ws_consumer, _dkdv_ws_producer)  # consumer 1: keys 64..127 (SPLIT_D: upper columns)
 
 
 # ---------------------------------------------------------------- kernel
@@ -306,35 +285,12 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS + SPLIT_D  # SPLIT_D: BLOCK_N = 64 (`configs.check_dkdv_config`)
     k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty = _dkdv_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CONSUMERS)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                 stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                                 heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                 k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0,
-                                 HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
-                                 CONSUMERS, SPLIT_D)),
-            (_dkdv_ws_consumer_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                        KeyEnd, stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head,
-                                        num_heads_kv, group_size, heads_per_section, qk_scale_log2, scale,
-                                        window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs,
-                                        do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_M,
-                                        STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, SPLIT_D)),
-            (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
-                                 row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                                 heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                                 HEAD_DIM, BLOCK_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:  # one consumer warp group (keys 0..63) in the default partition; the launch pads the producer to 4 warps
-        gl.warp_specialize([
-            (_dkdv_ws_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                 stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                                 heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                 k_smem, v_smem, col_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, 0,
-                                 HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE,
-                                 CONSUMERS, SPLIT_D)),
-            (_dkdv_ws_producer, (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv,
-                                 row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
-                                 heads_per_section, k_smem, v_smem, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                                 HEAD_DIM, BLOCK_M, STAGES)),
-        ], [1], [PRODUCER_REGS])
+    _partitions((dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
+                 stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
+                 qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
+                 stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                 TOP_LEFT, TREE, CONSUMERS, SPLIT_D),
+                (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
+                 row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, k_smem, v_smem, q_bufs,
+                 do_bufs, stats, kv_bar, ready, empty, HEAD_DIM, BLOCK_M, STAGES),
+                CONSUMERS, CONSUMER_REGS, PRODUCER_REGS)

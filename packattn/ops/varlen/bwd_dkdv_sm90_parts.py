@@ -36,16 +36,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_direct
-from packattn.ops.varlen.bwd_dkdv_sm90 import _fill_cols, _probs_t_ws
+from packattn.ops.varlen.bwd_dkdv_sm90 import _fill_cols, _probs_t_ws, _small_buffers
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile
 from packattn.ops.varlen.bwd_parts_sm90 import (
     _alloc_parts,
     _dkdv_parts_producer,
-    _zero_rows_parts,
     part_lo,
 )
+from packattn.ops.varlen.bwd_ws_sm90 import _zero_tails, ws_partitions
 from packattn.ops.varlen.common_sm90 import _to_operand, mma_layout
-from packattn.ops.varlen.common_sm90_ws import _opaque_program_id, _ring_barriers
+from packattn.ops.varlen.common_sm90_ws import _opaque_program_id
 from packattn.ops.varlen.fwd_sm90_parts import part_hi
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warp group
@@ -112,17 +112,7 @@ def _dkdv_parts_step(it, m_start, accs, ntail, k_wg, k_lo_wg, v_wg, v_lo_wg, col
     qh, ql, dh, dl = q_hi.index(slot), q_lo.index(slot), do_hi.index(slot), do_lo.index(slot)
     stat = stats.index(slot)
     if m_start + BLOCK_M > len_q:  # rows past the sequence: zeros, not NaN, enter dK / dV
-        if CONSUMERS == 1:
-            _zero_rows_parts(qh, ql, m_start, len_q, BLOCK_M, D_LO)
-            _zero_rows_parts(dh, dl, m_start, len_q, BLOCK_M, DV_LO)
-        else:
-            if WG == 0:
-                _zero_rows_parts(qh, ql, m_start, len_q, BLOCK_M, D_LO)
-            else:
-                _zero_rows_parts(dh, dl, m_start, len_q, BLOCK_M, DV_LO)
-            mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, ntail & 1)
-            ntail += 1
+        ntail = _zero_tails(qh, ql, dh, dl, m_start, len_q, ntail, zero_bar, BLOCK_M, D_LO, DV_LO, WG, CONSUMERS)
     s_zero = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
     s_tok = _chain_t(k_wg, k_lo_wg, qh, ql, s_zero, D_LO)
     dp_tok = _chain_t(v_wg, v_lo_wg, dh, dl, s_zero, DV_LO)
@@ -185,10 +175,10 @@ def _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets
                          stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
                          heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo,
                          v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar,
-                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SPLIT_D: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                         TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr,
+                         WG: gl.constexpr):
     """Consumer warp group ``WG``: its 64 keys (``SPLIT_D``: the tile's), the dK / dV parts it owns (`owns`)."""
     D_HI: gl.constexpr = part_hi(HEAD_DIM)
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
@@ -226,36 +216,7 @@ def _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets
         _store_part(dk_lo, base_k, D_HI, first_key, len_kv, stride_dk_row, scale, owns(WG, SPLIT_D, 1, D_LO))
 
 
-@gluon.jit
-def _dkdv_parts_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                       stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                       heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo,
-                       v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar,
-                       HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                       TOP_LEFT: gl.constexpr, TREE: gl.constexpr, SPLIT_D: gl.constexpr):
-    """The second consumer warp group as a worker partition."""
-    _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                         stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                         heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo,
-                         v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar, 1,
-                         HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, 2,
-                         SPLIT_D)
-
-
-@gluon.jit
-def _small_buffers(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr):
-    """``(col_smem, stats, kv_bar, zero_bar, ready, empty)`` as in `bwd_dkdv_sm90._dkdv_ws_buffers`."""
-    col_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    stats = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    zero_bar = kv_bar  # (unused with one consumer)
-    if CONSUMERS == 2:
-        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(zero_bar, count=2)
-    ready, empty = _ring_barriers(STAGES, CONSUMERS)
-    return col_smem, stats, kv_bar, zero_bar, ready, empty
+_partitions = ws_partitions(_dkdv_parts_consumer, _dkdv_parts_producer)
 
 
 # ---------------------------------------------------------------- kernel
@@ -290,37 +251,13 @@ def varlen_bwd_dkdv_parts_kernel(
     q_hi, q_lo = _alloc_parts(q_desc, q_lo_desc, STAGES, BLOCK_M, D_HI, D_LO)
     do_hi, do_lo = _alloc_parts(do_desc, do_lo_desc, STAGES, BLOCK_M, DV_HI, DV_LO)
     col_smem, stats, kv_bar, zero_bar, ready, empty = _small_buffers(STAGES, BLOCK_M, CONSUMERS)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_dkdv_parts_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                    group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
-                                    chunk_size, k_hi, k_lo, v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats,
-                                    kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES, HAS_LEFT,
-                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS, SPLIT_D)),
-            (_dkdv_parts_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                  stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                  group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
-                                  chunk_size, k_hi, k_lo, v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats,
-                                  kv_bar, ready, empty, zero_bar, HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES, HAS_LEFT,
-                                  HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, SPLIT_D)),
-            (_dkdv_parts_producer, (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse,
-                                    Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                    stride_lse_head, num_heads_kv, group_size, heads_per_section, k_hi, k_lo, v_hi,
-                                    v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, HEAD_DIM, HEAD_DIM_V,
-                                    BLOCK_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:  # the launch pads the producer to 4 warps
-        gl.warp_specialize([
-            (_dkdv_parts_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                                    stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv,
-                                    group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
-                                    chunk_size, k_hi, k_lo, v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats,
-                                    kv_bar, ready, empty, zero_bar, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES, HAS_LEFT,
-                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS, SPLIT_D)),
-            (_dkdv_parts_producer, (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse,
-                                    Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                    stride_lse_head, num_heads_kv, group_size, heads_per_section, k_hi, k_lo, v_hi,
-                                    v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, HEAD_DIM, HEAD_DIM_V,
-                                    BLOCK_M, STAGES)),
-        ], [1], [PRODUCER_REGS])
+    _partitions((dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
+                 stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
+                 qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, col_smem, q_hi,
+                 q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES,
+                 HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS, SPLIT_D),
+                (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse, Delta, tiles,
+                 cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
+                 heads_per_section, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty,
+                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES),
+                CONSUMERS, CONSUMER_REGS, PRODUCER_REGS)

@@ -36,7 +36,7 @@ The consumers are tied only by ``empty`` and the tail rendezvous (no CTA barrier
 
 Tail block (``n_start + BLOCK_N > len_kv``; at most one per tile, the same step in every consumer): with two
 consumers, consumer 0 zeroes the slot's K rows past ``len_kv`` and consumer 1 its V rows
-(`common_sm90._zero_v_tail`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``;
+(`bwd_ws_sm90._zero_tails`), then both arrive on ``zero_bar`` (count 2) and wait with parity ``ntail & 1``;
 with one consumer it zeroes both, with no rendezvous (``zero_bar`` not allocated). Query rows past ``len_q``
 only produce dQ rows that are never stored.
 
@@ -53,8 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from packattn.ops.varlen.bwd_common_sm90 import _lse_log2, _probs, _row_vector, _store_tile
 from packattn.ops.varlen.bwd_dq_sm90_delta import _delta_from_o
 from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile, _dq_ws_producer
-from packattn.ops.varlen.common_sm90 import _to_operand, _zero_v_tail, mma_layout
-from packattn.ops.varlen.common_sm90_ws import _ring_barriers
+from packattn.ops.varlen.bwd_ws_sm90 import _tile_barriers, _zero_tails, ws_partitions
+from packattn.ops.varlen.common_sm90 import _to_operand, mma_layout
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group (one wgmma M = 64 per warp group)
 
@@ -99,23 +99,12 @@ def _dq_ws_step(j, n_start, ds_prev, dq, ntail, q_wg, do_wg, k_bufs, v_bufs, key
     k_buf = k_bufs.index(slot)
     v_buf = v_bufs.index(slot)
     if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
-        if CONSUMERS == 1:  # fence + barrier over this warp group inside: its own wgmma see the zeros
-            _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-            _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-        else:
-            if WG == 0:
-                _zero_v_tail(k_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-            else:
-                _zero_v_tail(v_buf, n_start, len_kv, BLOCK_N, HEAD_DIM, 4)
-            mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, ntail & 1)  # the other consumer's half is zero too
-            ntail += 1
-
+        ntail = _zero_tails(k_buf, k_buf, v_buf, v_buf, n_start, len_kv, ntail, zero_bar, BLOCK_N, 0, 0, WG, CONSUMERS)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_wg, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_wg, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if DELTA_FROM_O:  # under the S / dP wgmma (both only read do_wg; nobody writes it or o_wg)
-        delta = _delta_from_o(do_wg, o_wg, delta_ptr, delta_rows, s_layout, HEAD_DIM)
+        delta = _delta_from_o(do_wg, o_wg, do_wg, o_wg, delta_ptr, delta_rows, s_layout, 0)
     if CARRY_DS and WITH_PREV:
         prev = (j + STAGES - 1) % STAGES
         dq_tok = warpgroup_mma(ds_prev, k_bufs.index(prev), dq, is_async=True)
@@ -234,9 +223,9 @@ def _consume_item(step, q_phase, dq, ntail, head, q_start, n_lo, n_mid_lo, n_mid
 def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
                     stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
                     window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                    CONSUMERS: gl.constexpr, o_smem=None, DELTA_FROM_O: gl.constexpr = False):
+                    CONSUMERS: gl.constexpr, o_smem, DELTA_FROM_O: gl.constexpr, WG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): queries ``[64 WG, 64 WG + 64)`` of
     the program's tile, their dQ. ``DELTA_FROM_O``: delta of its rows from dO and O (its rows of ``o_smem``)
     instead of loaded (`_consume_item`)."""
@@ -275,20 +264,8 @@ def _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offs
         _store_tile(dq * scale, q_wg, base, q_start + WG * WG_ROWS, len_q, stride_dq_row, WG_ROWS, HEAD_DIM, 4)
 
 
-@gluon.jit
-def _dq_ws_consumer_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                           stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                           qk_scale_log2, scale, window_left, window_right, chunk_size, q_smem, do_smem, k_bufs,
-                           v_bufs, q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, o_smem=None,
-                           DELTA_FROM_O: gl.constexpr = False):
-    """The second consumer warp group (queries 64..127) as a worker partition."""
-    _dq_ws_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
-                    stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
-                    window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                    zero_bar, 1, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, 2, o_smem,
-                    DELTA_FROM_O)
+# consumer 1: queries 64..127; with DELTA_FROM_O the producer loads O too (a third TMA on q_bar), the consumers read it
+_partitions = ws_partitions(_dq_ws_consumer, _dq_ws_producer)
 
 
 # ---------------------------------------------------------------- kernel
@@ -311,15 +288,7 @@ def _dq_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if CONSUMERS == 2:
-        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(zero_bar, count=2)
-    else:  # the only consumer zeroes both tails: no rendezvous
-        mbarrier.init(q_bar, count=1)
-        zero_bar = q_bar  # (unused)
-    ready, empty = _ring_barriers(STAGES, CONSUMERS)
+    q_bar, zero_bar, ready, empty = _tile_barriers(STAGES, CONSUMERS)
     return q_smem, do_smem, k_bufs, v_bufs, q_bar, zero_bar, ready, empty
 
 
@@ -350,34 +319,11 @@ def varlen_bwd_dq_gluon_ws_kernel(
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
     else:
         o_smem = do_smem  # (unused)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                               heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                               q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N,
-                               STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_smem, DELTA_FROM_O)),
-            (_dq_ws_consumer_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                                      row_offsets_kv, stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q,
-                                      group_size, heads_per_section, qk_scale_log2, scale, window_left, window_right,
-                                      chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
-                                      HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, o_smem,
-                                      DELTA_FROM_O)),
-            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs,
-                               v_bufs, q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES, o_desc, o_smem,
-                               DELTA_FROM_O)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:  # one consumer warp group (queries 0..63) in the default partition; the launch pads the producer to 4
-        # warps. With DELTA_FROM_O the producer loads O too (a third TMA on q_bar) and the consumer reads it.
-        gl.warp_specialize([
-            (_dq_ws_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                               stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                               heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                               q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar, 0, HEAD_DIM, BLOCK_N,
-                               STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_smem, DELTA_FROM_O)),
-            (_dq_ws_producer, (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
-                               row_offsets_kv, num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs,
-                               v_bufs, q_bar, ready, empty, HEAD_DIM, BLOCK_N, STAGES, o_desc, o_smem,
-                               DELTA_FROM_O)),
-        ], [1], [PRODUCER_REGS])
+    _partitions((dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
+                 stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                 window_left, window_right, chunk_size, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, zero_bar,
+                 HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, CONSUMERS, o_smem, DELTA_FROM_O),
+                (q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
+                 num_heads_q, group_size, heads_per_section, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty,
+                 HEAD_DIM, BLOCK_N, STAGES, o_desc, o_smem, DELTA_FROM_O),
+                CONSUMERS, CONSUMER_REGS, PRODUCER_REGS)

@@ -11,7 +11,7 @@ Step ``j`` of one consumer (no dS carried across steps, at any ``STAGES``)::
     wait   ready[j % S]; tail block only: zero the K / V rows past len_kv (as there, per part)
     issue  S = Q_hi K_hi^T (+ Q_lo K_lo^T)           (1-2 async groups chained on one accumulator)
     issue  dP = dO_hi V_hi^T (+ dO_lo V_lo^T)        (NDP = 1-2 groups)
-    (first step with DELTA_FROM_O: delta = rowsum(dO O) over the value parts, stored; `_delta_parts`)
+    (first step with DELTA_FROM_O: delta = rowsum(dO O) over the value parts, stored; `_delta_from_o`)
     wait   until NDP pending                         (S done; dP runs under P)
     P = exp2(S c - lse log2e), masked; wait 0; dS = P (dP - delta)
     issue  dQ_part += dS K_part for each part; wait 0; arrive empty[j % S]
@@ -40,16 +40,15 @@ from packattn.ops.varlen.bwd_dkdv_sm90_parts import (
     _new_acc,
     groups,
 )
+from packattn.ops.varlen.bwd_dq_sm90_delta import _delta_from_o
 from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile
 from packattn.ops.varlen.bwd_parts_sm90 import (
     _alloc_parts,
-    _delta_parts,
     _dq_parts_producer,
-    _zero_rows_parts,
     part_lo,
 )
+from packattn.ops.varlen.bwd_ws_sm90 import _tile_barriers, _zero_tails, ws_partitions
 from packattn.ops.varlen.common_sm90 import mma_layout
-from packattn.ops.varlen.common_sm90_ws import _ring_barriers
 from packattn.ops.varlen.fwd_sm90_parts import part_hi
 
 WG_ROWS = gl.constexpr(64)  # queries per consumer warp group
@@ -57,11 +56,11 @@ WG_ROWS = gl.constexpr(64)  # queries per consumer warp group
 
 @gluon.jit
 def _dq_parts_step(j, n_start, accs, ntail, q_wg, q_lo_wg, do_wg, do_lo_wg, o_wg, o_lo_wg, k_hi, k_lo, v_hi, v_lo,
-                   ready, empty, zero_bar, lse_log2, delta, delta_ptr, delta_rows, offs_m, n_mid_lo, n_mid_hi, len_q, len_kv,
-                   qk_scale_log2, window_left, window_right, chunk_size, s_layout: gl.constexpr, WG: gl.constexpr,
-                   BLOCK_N: gl.constexpr, D_LO: gl.constexpr, DV_LO: gl.constexpr, STAGES: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   CONSUMERS: gl.constexpr, FIRST_DELTA: gl.constexpr):
+                   ready, empty, zero_bar, lse_log2, delta, delta_ptr, delta_rows, offs_m, n_mid_lo, n_mid_hi, len_q,
+                   len_kv, qk_scale_log2, window_left, window_right, chunk_size, s_layout: gl.constexpr,
+                   WG: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, DV_LO: gl.constexpr,
+                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
+                   TOP_LEFT: gl.constexpr, CONSUMERS: gl.constexpr, FIRST_DELTA: gl.constexpr):
     """Ring step ``j`` (key block ``n_start``) of one consumer; ``accs = (dq_hi, dq_lo)``. ``FIRST_DELTA``: compute
     delta from dO / O (``delta`` ignored), store it at ``delta_ptr[i]`` for ``i < delta_rows`` and return it.
     Returns ``(accs, ntail, delta)`` with no wgmma in flight."""
@@ -70,22 +69,12 @@ def _dq_parts_step(j, n_start, accs, ntail, q_wg, q_lo_wg, do_wg, do_lo_wg, o_wg
     mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
     kh, kl, vh, vl = k_hi.index(slot), k_lo.index(slot), v_hi.index(slot), v_lo.index(slot)
     if n_start + BLOCK_N > len_kv:  # keys past the sequence: zeros, not NaN, enter dQ
-        if CONSUMERS == 1:
-            _zero_rows_parts(kh, kl, n_start, len_kv, BLOCK_N, D_LO)
-            _zero_rows_parts(vh, vl, n_start, len_kv, BLOCK_N, DV_LO)
-        else:
-            if WG == 0:
-                _zero_rows_parts(kh, kl, n_start, len_kv, BLOCK_N, D_LO)
-            else:
-                _zero_rows_parts(vh, vl, n_start, len_kv, BLOCK_N, DV_LO)
-            mbarrier.arrive(zero_bar, count=1)
-            mbarrier.wait(zero_bar, ntail & 1)
-            ntail += 1
+        ntail = _zero_tails(kh, kl, vh, vl, n_start, len_kv, ntail, zero_bar, BLOCK_N, D_LO, DV_LO, WG, CONSUMERS)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     s_tok = _chain_t(q_wg, q_lo_wg, kh, kl, s_zero, D_LO)
     dp_tok = _chain_t(do_wg, do_lo_wg, vh, vl, s_zero, DV_LO)
     if FIRST_DELTA:  # under the S / dP wgmma (which only read Q, dO, K, V)
-        delta = _delta_parts(do_wg, o_wg, do_lo_wg, o_lo_wg, delta_ptr, delta_rows, s_layout, DV_LO)
+        delta = _delta_from_o(do_wg, o_wg, do_lo_wg, o_lo_wg, delta_ptr, delta_rows, s_layout, DV_LO)
     s = warpgroup_mma_wait(groups(True, DV_LO > 0), deps=(s_tok, ))
     p = _probs(s, lse_log2, offs_m, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2, window_left,
                window_right, chunk_size, BLOCK_N, s_layout, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
@@ -139,10 +128,10 @@ def _dq_parts_blocks(accs, head, q_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, 
 def _dq_parts_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                        stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
                        qk_scale_log2, scale, window_left, window_right, chunk_size, q_hi, q_lo, do_hi, do_lo, o_hi,
-                       o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, zero_bar, WG: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                       TOP_LEFT: gl.constexpr, CONSUMERS: gl.constexpr, DELTA_FROM_O: gl.constexpr):
+                       o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
+                       HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                       HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                       CONSUMERS: gl.constexpr, DELTA_FROM_O: gl.constexpr, WG: gl.constexpr):
     """Consumer warp group ``WG``: queries ``[64 WG, 64 WG + 64)`` of the program's tile, their dQ parts."""
     D_HI: gl.constexpr = part_hi(HEAD_DIM)
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
@@ -174,34 +163,7 @@ def _dq_parts_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_o
                           mma_layout(4, D_LO))
 
 
-@gluon.jit
-def _dq_parts_worker(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                     stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                     qk_scale_log2, scale, window_left, window_right, chunk_size, q_hi, q_lo, do_hi, do_lo, o_hi, o_lo,
-                     k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
-                     HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                     DELTA_FROM_O: gl.constexpr):
-    """The second consumer warp group (queries 64..127) as a worker partition."""
-    _dq_parts_consumer(dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                       stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section,
-                       qk_scale_log2, scale, window_left, window_right, chunk_size, q_hi, q_lo, do_hi, do_lo, o_hi,
-                       o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, zero_bar, 1, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, 2, DELTA_FROM_O)
-
-
-@gluon.jit
-def _dq_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """``(q_bar, zero_bar, ready, empty)`` as in `bwd_dq_sm90._dq_ws_buffers` (``zero_bar`` is ``q_bar``, unused,
-    with one consumer)."""
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    zero_bar = q_bar
-    if CONSUMERS == 2:
-        zero_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(zero_bar, count=2)
-    ready, empty = _ring_barriers(STAGES, CONSUMERS)
-    return q_bar, zero_bar, ready, empty
+_partitions = ws_partitions(_dq_parts_consumer, _dq_parts_producer)  # consumer 1: queries 64..127
 
 
 # ---------------------------------------------------------------- kernel
@@ -236,38 +198,14 @@ def varlen_bwd_dq_parts_kernel(
         o_hi, o_lo = _alloc_parts(o_desc, o_lo_desc, 0, BLOCK_M, DV_HI, DV_LO)
     k_hi, k_lo = _alloc_parts(k_desc, k_lo_desc, STAGES, BLOCK_N, D_HI, D_LO)
     v_hi, v_lo = _alloc_parts(v_desc, v_lo_desc, STAGES, BLOCK_N, DV_HI, DV_LO)
-    q_bar, zero_bar, ready, empty = _dq_barriers(STAGES, CONSUMERS)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_dq_parts_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                  stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                  heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                  q_hi, q_lo, do_hi, do_lo, o_hi, o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty,
-                                  zero_bar, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                  TOP_LEFT, CONSUMERS, DELTA_FROM_O)),
-            (_dq_parts_worker, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, q_hi,
-                                q_lo, do_hi, do_lo, o_hi, o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, zero_bar,
-                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                DELTA_FROM_O)),
-            (_dq_parts_producer, (q_desc, k_desc, v_desc, do_desc, o_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc,
-                                  o_lo_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                  num_heads_q, group_size, heads_per_section, q_hi, q_lo, do_hi, do_lo, o_hi, o_lo,
-                                  k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
-                                  DELTA_FROM_O)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:  # the launch pads the producer to 4 warps
-        gl.warp_specialize([
-            (_dq_parts_consumer, (dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                  stride_dq_row, stride_dq_head, stride_lse_head, num_heads_q, group_size,
-                                  heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size,
-                                  q_hi, q_lo, do_hi, do_lo, o_hi, o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty,
-                                  zero_bar, 0, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                                  TOP_LEFT, CONSUMERS, DELTA_FROM_O)),
-            (_dq_parts_producer, (q_desc, k_desc, v_desc, do_desc, o_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc,
-                                  o_lo_desc, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                  num_heads_q, group_size, heads_per_section, q_hi, q_lo, do_hi, do_lo, o_hi, o_lo,
-                                  k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES,
-                                  DELTA_FROM_O)),
-        ], [1], [PRODUCER_REGS])
+    q_bar, zero_bar, ready, empty = _tile_barriers(STAGES, CONSUMERS)
+    _partitions((dQ, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_dq_row,
+                 stride_dq_head, stride_lse_head, num_heads_q, group_size, heads_per_section, qk_scale_log2, scale,
+                 window_left, window_right, chunk_size, q_hi, q_lo, do_hi, do_lo, o_hi, o_lo, k_hi, k_lo, v_hi, v_lo,
+                 q_bar, ready, empty, zero_bar, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                 TOP_LEFT, CONSUMERS, DELTA_FROM_O),
+                (q_desc, k_desc, v_desc, do_desc, o_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, o_lo_desc, tiles,
+                 cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size,
+                 heads_per_section, q_hi, q_lo, do_hi, do_lo, o_hi, o_lo, k_hi, k_lo, v_hi, v_lo, q_bar, ready, empty,
+                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, DELTA_FROM_O),
+                CONSUMERS, CONSUMER_REGS, PRODUCER_REGS)

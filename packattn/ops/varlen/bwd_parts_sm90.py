@@ -11,7 +11,8 @@ wgmma group per part on one accumulator; products into a head dim keep one accum
 A tensor without a second part (``D_LO == 0`` / ``DV_LO == 0``) gets its ``lo`` buffer aliased to the first
 part's, never read (a name bound to None cannot travel in the tuples of ``gl.warp_specialize``): code tests the
 head dims, not the buffers. The kernels of one power-of-two head dim (`bwd_dkdv_sm90`, `bwd_dq_sm90`) are not
-built from these pieces: their code is unchanged.
+built from these pieces; what they share with the part kernels is in `packattn.ops.varlen.bwd_ws_sm90` (tail
+zeroing, barriers, partitions) and `packattn.ops.varlen.bwd_dq_sm90_delta` (delta from O).
 """
 
 from triton.experimental import gluon
@@ -21,7 +22,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _stats_copy
 from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile
-from packattn.ops.varlen.common_sm90 import _zero_v_tail, mma_layout
 from packattn.ops.varlen.fwd_sm90_parts import _load_kv_parts, part_hi
 
 
@@ -46,14 +46,6 @@ def _alloc_parts(desc, lo_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HI: gl
         else:
             lo = gl.allocate_shared_memory(lo_desc.dtype, [STAGES, ROWS, LO], lo_desc.layout)
     return hi, lo
-
-
-@gluon.jit
-def _zero_rows_parts(hi, lo, first_row, end_row, ROWS: gl.constexpr, LO: gl.constexpr):
-    """`common_sm90._zero_v_tail` of both parts of one slot (rows ``first_row + i >= end_row`` set to 0)."""
-    _zero_v_tail(hi, first_row, end_row, ROWS, hi.shape[1], 4)
-    if LO > 0:
-        _zero_v_tail(lo, first_row, end_row, ROWS, LO, 4)
 
 
 @gluon.jit
@@ -144,31 +136,3 @@ def _dq_parts_producer(q_desc, k_desc, v_desc, do_desc, o_desc, q_lo_desc, k_lo_
             mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
             _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_hi, v_hi, k_lo, v_lo, ready, j, row0_kv, n_lo,
                            col_kv, col_v, num_blocks, STAGES, BLOCK_N, D_HI, DV_HI)
-
-
-@gluon.jit
-def _delta_parts(do_hi, o_hi, do_lo, o_lo, delta_ptr, delta_rows, s_layout: gl.constexpr, DV_LO: gl.constexpr):
-    """`bwd_dq_sm90_delta._delta_from_o` over the value parts (one warp group's 64 rows of each): ``delta[i] =
-    sum_d dO[i, d] O[i, d]`` in float32, chunks of up to 64 columns in a wgmma accumulator layout, stored to
-    ``delta_ptr[i]`` for ``i < delta_rows``; returned in the row layout of ``s_layout``."""
-    ROWS: gl.constexpr = do_hi.shape[0]
-    CH: gl.constexpr = 64 if do_hi.shape[1] >= 64 else do_hi.shape[1]
-    layout: gl.constexpr = mma_layout(4, CH)
-    delta = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, layout))
-    for c in gl.static_range(do_hi.shape[1] // CH):
-        do = do_hi.slice(c * CH, CH, dim=1).load(layout).to(gl.float32)
-        o = o_hi.slice(c * CH, CH, dim=1).load(layout).to(gl.float32)
-        delta += gl.sum(do * o, axis=1)
-    delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
-    if DV_LO > 0:
-        CL: gl.constexpr = 64 if DV_LO >= 64 else DV_LO
-        lo_layout: gl.constexpr = mma_layout(4, CL)
-        d_lo = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, lo_layout))
-        for c in gl.static_range(DV_LO // CL):
-            do = do_lo.slice(c * CL, CL, dim=1).load(lo_layout).to(gl.float32)
-            o = o_lo.slice(c * CL, CL, dim=1).load(lo_layout).to(gl.float32)
-            d_lo += gl.sum(do * o, axis=1)
-        delta += gl.convert_layout(d_lo, gl.SliceLayout(1, s_layout))
-    offs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    gl.store(delta_ptr + offs, delta, mask=offs < delta_rows)
-    return delta
