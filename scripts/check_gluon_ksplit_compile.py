@@ -6,6 +6,7 @@ overlap (the main loop waits with a wgmma group pending while ``ex2`` runs).
     python scripts/check_gluon_ksplit_compile.py                           # 192, 256 x bf16, fp16 x masks + tree
     python scripts/check_gluon_ksplit_compile.py --dims 256 --dtypes bf16 --masks R --stages 2 3
     python scripts/check_gluon_ksplit_compile.py --dims 192:128 --no-tree  # MLA
+    python scripts/check_gluon_ksplit_compile.py --ptx-dir /tmp/ksplit_old  # normalised PTX only, one file a variant
 
 Prints one block per variant and a summary table (registers, spills, shared memory per dims / stages / dtype).
 """
@@ -123,6 +124,21 @@ def check(dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str, dict]:
     return not bad, "\n".join(lines), row
 
 
+def dump_ptx(ptx_dir: str, dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str]:
+    """Compile one variant and write its PTX, normalised as `ptx_identity.normalise` does (no line info), to
+    ``ptx_dir``; no judging. Returns ``(ok, report line)``."""
+    from ptx_identity import normalise
+
+    name = f"ksplit_{dtype_name}_d{dims_label(dims).strip()}_x{stages}_{mask_name or 'none'}.ptx".replace(":", "-")
+    try:
+        compiled, _res = compile_ksplit(dtype_name, dims, "" if tree else mask_name, stages, tree)
+    except Exception as e:  # report and go on
+        return False, f"{name}: FAILED {type(e).__name__}: {str(e)[-300:]}"
+    with open(os.path.join(ptx_dir, name), "w") as f:
+        f.write(normalise(compiled.asm["ptx"]))
+    return True, f"{name}: written"
+
+
 def summary(rows: list[dict]) -> str:
     """One line per (dims, stages, dtype): the masks compiled, max registers used by a partition, spills, shared."""
     groups: dict = {}
@@ -143,17 +159,26 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS)
     parser.add_argument("--stages", nargs="+", type=int, default=None, help="instead of STAGES[dims]")
     parser.add_argument("--no-tree", action="store_true", help="skip the tree-mask variants")
+    parser.add_argument("--ptx-dir", default=None, help="only write each variant's normalised PTX here")
     args = parser.parse_args()
+    if args.ptx_dir:
+        os.makedirs(args.ptx_dir, exist_ok=True)
     failures, rows = 0, []
     for dims in args.dims:
         for stages in args.stages or STAGES.get(dims, (2, )):
             for dtype_name in args.dtypes:
                 for mask in args.masks + ([] if args.no_tree else ["tree"]):
+                    if args.ptx_dir:
+                        ok, text = dump_ptx(args.ptx_dir, dtype_name, dims, mask, stages, mask == "tree")
+                        failures += not ok
+                        print(text, flush=True)
+                        continue
                     ok, text, row = check(dtype_name, dims, mask, stages, mask == "tree")
                     failures += not ok
                     rows += [row] if row else []
                     print(text, flush=True)
-    print(summary(rows))
+    if rows:
+        print(summary(rows))
     print(f"{failures} variant(s) with problems", flush=True)
     return 1 if failures else 0
 

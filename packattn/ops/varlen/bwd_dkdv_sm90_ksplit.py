@@ -51,12 +51,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_direct
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile
+from packattn.ops.varlen.bwd_dkdv_sm90_parts import _chain_t
 from packattn.ops.varlen.bwd_parts_sm90 import (
     _alloc_parts,
     _dkdv_parts_producer,
     part_lo,
 )
-from packattn.ops.varlen.common_sm90 import _zero_v_tail, mma_layout
+from packattn.ops.varlen.bwd_ws_sm90 import _zero_tails, ws_partitions
+from packattn.ops.varlen.common_sm90 import mma_layout
 from packattn.ops.varlen.common_sm90_ws import _opaque_program_id, _ring_barriers
 from packattn.ops.varlen.fwd_sm90_parts import part_hi
 
@@ -109,15 +111,6 @@ def _own_cols(hi, lo, WG: gl.constexpr, DIM: gl.constexpr):
 
 # ---------------------------------------------------------------- consumers
 @gluon.jit
-def _chain(a_hi, a_lo, b_hi, b_lo, zero, LO: gl.constexpr):
-    """``A_hi B_hi^T (+ A_lo B_lo^T)`` as 1-2 async wgmma groups on one accumulator; returns the last token."""
-    tok = warpgroup_mma(a_hi, b_hi.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if LO > 0:
-        tok = warpgroup_mma(a_lo, b_lo.permute((1, 0)), tok, is_async=True)
-    return tok
-
-
-@gluon.jit
 def _probs(s, lse_log2, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, bnd, s_layout: gl.constexpr, WG: gl.constexpr):
     """``P = exp2(S c - lse log2e)`` of one step's (64 queries, 32 keys); outside the fully visible band the
     queries ``[q_lo(k), q_hi(k))`` of each key (``bnd`` rows ``2 WG`` / ``2 WG + 1``) see it, the others get P = 0."""
@@ -145,15 +138,6 @@ def _exchange(x, bufs, it, bar, WG: gl.constexpr):
 
 
 @gluon.jit
-def _zero_rows(hi, lo, first_row, end_row, LO: gl.constexpr):
-    """Zero the rows ``first_row + i >= end_row`` of one ring slot held in parts (`common_sm90._zero_v_tail`: fence
-    and barrier over this warp group inside)."""
-    _zero_v_tail(hi, first_row, end_row, STEP_QUERIES, hi.shape[1], 4)
-    if LO > 0:
-        _zero_v_tail(lo, first_row, end_row, STEP_QUERIES, LO, 4)
-
-
-@gluon.jit
 def _ksplit_step(it, m_start, dk, dv, ntail, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, pt_bufs,
                  dst_bufs, bnd, ready, empty, zero_bar, p_bar, ds_bar, m_mid_lo, m_mid_hi, len_q, qk_scale_log2,
                  s_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -167,16 +151,10 @@ def _ksplit_step(it, m_start, dk, dv, ntail, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo,
     qh, ql, dh, dl = q_hi.index(slot), q_lo.index(slot), do_hi.index(slot), do_lo.index(slot)
     stat = stats.index(slot)
     if m_start + STEP_QUERIES > len_q:  # rows past the sequence: zeros, not NaN, enter S, dP, dK, dV
-        if WG == 0:
-            _zero_rows(qh, ql, m_start, len_q, D_LO)
-        else:
-            _zero_rows(dh, dl, m_start, len_q, DV_LO)
-        mbarrier.arrive(zero_bar, count=1)
-        mbarrier.wait(zero_bar, ntail & 1)  # the other group's tensor is zero too
-        ntail += 1
+        ntail = _zero_tails(qh, ql, dh, dl, m_start, len_q, ntail, zero_bar, STEP_QUERIES, D_LO, DV_LO, WG, 2)
     s_zero = gl.zeros([STEP_QUERIES, WG_KEYS], gl.float32, s_layout)
-    s_tok = _chain(qh, ql, k_hi, k_lo, s_zero, D_LO)
-    dp_tok = _chain(dh, dl, v_hi, v_lo, s_zero, DV_LO)
+    s_tok = _chain_t(qh, ql, k_hi, k_lo, s_zero, D_LO)
+    dp_tok = _chain_t(dh, dl, v_hi, v_lo, s_zero, DV_LO)
     lse = stat.slice(0, STEP_QUERIES).load(gl.SliceLayout(1, s_layout))
     lse_log2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # a row that sees no key: P = 0
     s = warpgroup_mma_wait(1 + (DV_LO > 0), deps=(s_tok, ))
@@ -236,11 +214,11 @@ def _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, 
                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo,
                      do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                     WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                     TREE: gl.constexpr):
-    """Consumer warp group ``WG``: S / dP of keys ``[32 WG, 32 WG + 32)`` of the tile, dK / dV of all 64 keys on
-    its own columns (`own_width`), stored from registers."""
+                     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
+                     WG: gl.constexpr):
+    """Consumer warp group ``WG`` (the last argument, `bwd_ws_sm90.ws_partitions`): S / dP of keys ``[32 WG, 32 WG +
+    32)`` of the tile, dK / dV of all 64 keys on its own columns (`own_width`), stored from registers."""
     DK_W: gl.constexpr = own_width(WG, HEAD_DIM)
     DV_W: gl.constexpr = own_width(WG, HEAD_DIM_V)
     KEY0: gl.constexpr = WG * WG_KEYS
@@ -272,21 +250,6 @@ def _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, 
 
 
 @gluon.jit
-def _ksplit_worker(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
-                   stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                   qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo,
-                   do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
-    """The second consumer warp group (keys 32..63 of S / dP) as a worker partition."""
-    _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
-                     stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
-                     qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo,
-                     do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                     1, HEAD_DIM, HEAD_DIM_V, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
-
-
-@gluon.jit
 def _ksplit_small_buffers(dtype: gl.constexpr, STAGES: gl.constexpr):
     """``(stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, zero_bar, p_bar, ds_bar, ready, empty)``, barriers initialised:
     lse / delta per ring slot, the P^T / dS^T double buffers ``[2, 64 keys, 64 queries]``, two bounds rows per
@@ -305,8 +268,13 @@ def _ksplit_small_buffers(dtype: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.init(zero_bar, count=2)
     mbarrier.init(p_bar, count=2)
     mbarrier.init(ds_bar, count=2)
+    # not `bwd_ws_sm90._tile_barriers` (or `bwd_dkdv_sm90._small_buffers`): those initialise the ring before
+    # p_bar / ds_bar, which reorders the mbarrier.init instructions (other PTX)
     ready, empty = _ring_barriers(STAGES, 2)
     return stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, zero_bar, p_bar, ds_bar, ready, empty
+
+
+_partitions = ws_partitions(_ksplit_consumer, _dkdv_parts_producer)  # consumer 1: keys 32..63 of S / dP
 
 
 # ---------------------------------------------------------------- kernel
@@ -340,22 +308,13 @@ def varlen_bwd_dkdv_ksplit_kernel(
     do_hi, do_lo = _alloc_parts(do_desc, do_lo_desc, STAGES, BLOCK_M, DV_HI, DV_LO)
     stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, zero_bar, p_bar, ds_bar, ready, empty = _ksplit_small_buffers(
         k_desc.dtype, STAGES)
-    gl.warp_specialize([
-        (_ksplit_consumer, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                            stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                            heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi,
-                            k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar,
-                            ready, empty, zero_bar, p_bar, ds_bar, 0, HEAD_DIM, HEAD_DIM_V, STAGES, HAS_LEFT,
-                            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)),
-        (_ksplit_worker, (dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd,
-                          stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size,
-                          heads_per_section, qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo,
-                          v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready,
-                          empty, zero_bar, p_bar, ds_bar, HEAD_DIM, HEAD_DIM_V, STAGES, HAS_LEFT, HAS_RIGHT,
-                          HAS_CHUNK, TOP_LEFT, TREE)),
-        (_dkdv_parts_producer, (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse,
-                                Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
-                                stride_lse_head, num_heads_kv, group_size, heads_per_section, k_hi, k_lo, v_hi, v_lo,
-                                q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _partitions((dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
+                 stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
+                 qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi,
+                 do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar, HEAD_DIM,
+                 HEAD_DIM_V, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE),
+                (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse, Delta, tiles,
+                 cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
+                 heads_per_section, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty,
+                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES),
+                2, CONSUMER_REGS, PRODUCER_REGS)
