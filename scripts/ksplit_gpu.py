@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd_dims_gpu import (
     NASTY_KV,
     NASTY_Q,
+    determinism,
     fwd_bwd,
     make_inputs,
     parse_dims,
@@ -47,9 +48,6 @@ from packattn.ops.varlen import configs, op
 from packattn.ops.varlen.configs import GluonBwdConfig as C
 from packattn.varlen import Varlen
 
-if "key_split" not in C.__dataclass_fields__:
-    raise SystemExit("GluonBwdConfig has no key_split field: apply the gate first (build/ksplit_gate.patch: configs.py, "
-                     "launch_sm90.py)")
 # the key-split config per dims (the most stages that fit: scripts/check_gluon_ksplit_compile.py) and others that
 # compile without spills, checked (causal, bf16) and timed beside it
 KSPLIT = {(256, 256): C(64, 64, 2, 8, key_split=True), (192, 192): C(64, 64, 3, 8, key_split=True),
@@ -124,20 +122,6 @@ def correctness(all_dims) -> int:
     return bad
 
 
-def determinism(all_dims) -> int:
-    bad = 0
-    for dims in all_dims:
-        seqs = Varlen.from_lengths(doc_lengths(8192, seed=1), pad_to_multiple=64, device="cuda")
-        q, k, v, dout = make_inputs(seqs, (16, 4), dims)
-        with configs.override(dkdv=KSPLIT[dims]):
-            first = fwd_bwd(q, k, v, dout, seqs, causal=True, deterministic=True)
-            second = fwd_bwd(q, k, v, dout, seqs, causal=True, deterministic=True)
-        same = all(torch.equal(a, b) for a, b in zip(first, second))
-        bad += not same
-        print(f"{'ok  ' if same else 'FAIL'} deterministic backward bitwise twice d={dims[0]}/{dims[1]}", flush=True)
-    return bad
-
-
 def trees(all_dims) -> int:
     bad = 0
     for dims in [d for d in all_dims if d[0] == d[1]]:  # the tree kernels refuse MLA
@@ -188,7 +172,7 @@ def main() -> int:
     dims = args.dims + ([(192, 128)] if args.mla else [])
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    bad = correctness(dims) + determinism(dims) + trees(dims)
+    bad = correctness(dims) + determinism(dims, lambda d: {"dkdv": KSPLIT[d]}) + trees(dims)
     rows = [] if args.no_time else timing(dims, args.repeat)
     print(f"\n{'dims':9s} {'dK/dV config':26s} {'f+b ms':>8s} {'TF/s':>6s} {'vs default':>10s}  (W1 16384 tokens, "
           "16/4 heads, causal, bf16; best of the interleaved medians)")

@@ -9,14 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from sm90_compile import compile_check
+from test_gluon_bwd_parts import _Recording, _tensors  # one launch stub and input maker for both
 
 from packattn.mask import Mask
 from packattn.ops.runtime import support
 from packattn.ops.varlen import configs, launch_sm90, launch_sm90_ksplit, op
 
-if "key_split" not in configs.GluonBwdConfig.__dataclass_fields__:  # the gate: build/ksplit_gate.patch (configs.py,
-    pytest.skip("GluonBwdConfig has no key_split field yet (the gate is not applied)",  # launch_sm90.py)
-                allow_module_level=True)
 KS = configs.GluonBwdConfig(64, 64, 2, 8, key_split=True)
 KS3 = configs.GluonBwdConfig(64, 64, 3, 8, key_split=True)
 DIMS = [(256, 256), (192, 192), (192, 128)]
@@ -98,21 +96,6 @@ def test_column_ownership_covers_each_head_dim_once():
             assert first == part_start + ks.own_offset(wg, dim) and width in (64, 128)
             cols += range(first, first + width)
         assert sorted(cols) == list(range(dim))
-
-
-class _Recording:
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
-
-
-def _tensors(dims, heads=(8, 2), rows=512):
-    (d, dv), (hq, hkv) = dims, heads
-    z = torch.zeros
-    return (z(rows, hq, d, dtype=torch.bfloat16), z(rows, hkv, d, dtype=torch.bfloat16),
-            z(rows, hkv, dv, dtype=torch.bfloat16), z(rows, hq, dv, dtype=torch.bfloat16), z(hq, rows), z(hq, rows))
 
 
 def _launch(dims, cfg, monkeypatch, tree=False, mask=None):
