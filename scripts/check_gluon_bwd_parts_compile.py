@@ -129,11 +129,17 @@ def check(kernel, dtype_name, dims, mask_name, cfg, tree, delta_from_o) -> tuple
               f"{' DELTA_FROM_O' if kernel == 'dq' and delta_from_o else ''} shared={shared}"
               f"{' OVER' if shared > SHARED_LIMIT else ''} ctas_per_sm={res['ctas_per_sm']} (fits {fits}) | {usage}"),
              f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
+    return not bad, "\n".join(lines + report_tail(regions, over, warnings))
+
+
+def report_tail(regions, over, warnings) -> list[str]:
+    """A variant's last report lines: each partition's register budget, registers used and instructions, and the
+    ptxas warnings."""
+    lines = []
     if regions:
         lines.append("    partitions (budget: used / instructions): "
                      + "; ".join(f"{lim}: {used} / {n}" for lim, used, n in regions) + (" OVER" if over else ""))
-    lines += [f"    ptxas: {w}" for w in warnings]
-    return not bad, "\n".join(lines)
+    return lines + [f"    ptxas: {w}" for w in warnings]
 
 
 def main() -> int:

@@ -29,8 +29,9 @@ from check_gluon_bwd_compile import (
     _descriptor_type,
     _root_cause,
 )
-from check_gluon_bwd_parts_compile import descriptor_blocks, dims_label, overlap
+from check_gluon_bwd_parts_compile import descriptor_blocks, dims_label, overlap, report_tail
 from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions
+from ptx_identity import kernel_signature
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -65,22 +66,9 @@ def compile_ksplit(dtype_name: str, dims, mask: str, stages: int, tree: bool = F
                       CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
     blocks = {n: b for n, b in descriptor_blocks(dims, cfg).items() if n in fn.arg_names}
     constexprs.update({n: None for n, b in blocks.items() if b is None})
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = _descriptor_type(dtype, blocks[name])
-        elif name in ("dK", "dV"):
-            signature[name] = "*" + dtype_name
-        elif name in ("Lse", "Delta"):
-            signature[name] = "*fp32"
-        elif name in INT_POINTERS:
-            signature[name] = "*i32"
-        elif name in ("qk_scale_log2", "scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = kernel_signature(fn, constexprs, None, None, "*" + dtype_name, INT_POINTERS)
+    signature.update({name: _descriptor_type(dtype, block) for name, block in blocks.items()
+                      if name not in constexprs})  # each descriptor its own block
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
     options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
@@ -114,10 +102,7 @@ def check(dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str, dict]:
               f"{' OVER' if shared > SHARED_LIMIT else ''} ctas_per_sm={res['ctas_per_sm']} (fits {fits}) "
               f"consumer_regs={res['consumer_regs']} | {usage}"),
              f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
-    if regions:
-        lines.append("    partitions (budget: used / instructions): "
-                     + "; ".join(f"{lim}: {used} / {n}" for lim, used, n in regions) + (" OVER" if over else ""))
-    lines += [f"    ptxas: {w}" for w in warnings]
+    lines += report_tail(regions, over, warnings)
     regs = max((used for _lim, used, _n in regions), default=-1)
     row = dict(dims=dims_label(dims), stages=stages, dtype=dtype_name, mask=mask_name or "-", shared=shared,
                regs=regs, spills=nspill, ok=not bad)
