@@ -225,19 +225,20 @@ class GluonBwdConfig:
     block_n: int
     stages: int  # ring slots
     num_warps: int  # the consumer warps; the launch adds the producer warp
-    # dK/dV only, opt-in (no table holds one): the key-split kernel (`launch_sm90_ksplit`, d = 192 / 256): block_m
-    # 64 queries a step, block_n 64 keys, num_warps 8 (two consumer warp groups of 32 keys' S / dP each)
+    # dK/dV only: the key-split kernel (`launch_sm90_ksplit`, d = 192 / 256): block_m 64 queries a step, block_n
+    # 64 keys, num_warps 8 (two consumer warp groups of 32 keys' S / dP each)
     key_split: bool = False
 
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
-# d = 256: two consumer warp groups split the head dim of one 64-key tile (`dkdv_splits_head_dim`), 32 queries per
-# step, 3 stages: the best of three on D256 / S512d256 (NOTES.md, v33); 192 the same (consumer 0 takes the
-# 128-column parts, 1 the 64-column ones); 192/128 two consumers of 64 keys each; 96 and 128/64 two consumers
-# (one ties): the best of the configs that compile without spills (NOTES.md, v35).
+# d = 192 / 256: the key-split kernel (`launch_sm90_ksplit`: each of two consumer warp groups computes S / dP for
+# 32 of a tile's 64 keys), 1.18x / 1.13x f+b over the head-dim split it replaced (NOTES.md, v36); 192/128 two
+# consumers of 64 keys each (the key split lost there, v36); 96 and 128/64 two consumers (one ties): the best of
+# the configs that compile without spills (NOTES.md, v35).
 DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4), 96: GluonBwdConfig(64, 128, 2, 8),
-                128: GluonBwdConfig(64, 64, 2, 4), 192: GluonBwdConfig(32, 64, 3, 8), 256: GluonBwdConfig(32, 64, 3, 8),
+                128: GluonBwdConfig(64, 64, 2, 4), 192: GluonBwdConfig(64, 64, 3, 8, key_split=True),
+                256: GluonBwdConfig(64, 64, 2, 8, key_split=True),
                 (192, 128): GluonBwdConfig(32, 128, 2, 8), (128, 64): GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_GROUP = 4
