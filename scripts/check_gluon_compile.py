@@ -18,7 +18,6 @@ without a GPU, for every mask combination and head dim, and check what matters b
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
     python scripts/check_gluon_compile.py --config 64,64,3,4      # block_m,block_n,stages,num_warps[,trim]
     python scripts/check_gluon_compile.py --head-dims 256 --config 128,32,3,8,lazy=8   # lazy rescaling
-    python scripts/check_gluon_compile.py --config 128,128,3,8,pp       # the consumers' ping-pong
     python scripts/check_gluon_compile.py --selected              # every table entry of packattn.ops.varlen.configs
 """
 
@@ -67,8 +66,8 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
 
 
 def parse_config(text: str) -> GluonConfig:
-    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,pp]"`` as a `GluonConfig` (``lazy=T``:
-    ``rescale_threshold=T``; ``pp``: ``pingpong``)."""
+    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T]"`` as a `GluonConfig` (``lazy=T``:
+    ``rescale_threshold=T``)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     extra = {"trim": False}
     for part in parts[4:]:
@@ -77,12 +76,10 @@ def parse_config(text: str) -> GluonConfig:
             extra["trim"] = True
         elif name == "lazy" and value:
             extra["rescale_threshold"] = float(value)
-        elif part == "pp":
-            extra["pingpong"] = True
         else:
-            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,pp]")
+            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T]")
     if len(parts) < 4:
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,pp]")
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T]")
     return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 
@@ -105,7 +102,7 @@ def table_key(dims: tuple[int, int]):
 
 def label_of(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
-            + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}") + (",pp" if cfg.pingpong else ""))
+            + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}"))
 
 
 def selected_configs(dims) -> list[GluonConfig]:
@@ -399,7 +396,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,pp]")
+                             "block_m,block_n,stages,num_warps[,trim][,lazy=T]")
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -1,6 +1,6 @@
-"""The Gluon forward's variants, lazy rescaling (`configs.GluonConfig.rescale_threshold`) and the consumers'
-ping-pong (`GluonConfig.pingpong`), without a GPU: the config's validation, the launcher's constexprs, and (in a
-subprocess, for sm_90a) one kernel of each compiled with `scripts/check_gluon_compile.py`'s checks."""
+"""The Gluon forward's lazy rescaling (`configs.GluonConfig.rescale_threshold`), without a GPU: the config's
+validation, the launcher's constexpr, and (in a subprocess, for sm_90a) one lazy kernel compiled with
+`scripts/check_gluon_compile.py`'s checks."""
 
 from __future__ import annotations
 
@@ -29,16 +29,6 @@ def test_rescale_threshold_defaults_off_and_keeps_configs_hashable():
     assert len({cfg, lazy, GluonConfig(128, 32, 3, 8)}) == 2
 
 
-@pytest.mark.parametrize("fields", [{"block_m": 64, "num_warps": 4}, {"trim": True}])
-def test_pingpong_needs_two_consumers_that_compute_every_block(fields):
-    """The turns alternate between two consumers that both issue every ring block: one consumer, or trimmed
-    blocks (each group skips its own), would wait for a turn that never comes."""
-    args = {"block_m": 128, "block_n": 64, "stages": 3, "num_warps": 8, **fields}
-    with pytest.raises(ValueError, match="pingpong"):
-        GluonConfig(**args, pingpong=True)
-    assert not GluonConfig(**args).pingpong
-
-
 class _Recording:
     def __init__(self):
         self.launches = []
@@ -47,10 +37,8 @@ class _Recording:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("cfg,want,pingpong", [(CONFIGS[64], None, False),
-                                                (GluonConfig(128, 128, 4, 8, rescale_threshold=8), 8.0, False),
-                                                (GluonConfig(128, 128, 4, 8, pingpong=True), None, True)])
-def test_forward_launch_passes_the_variants(cfg, want, pingpong, monkeypatch):
+@pytest.mark.parametrize("cfg,want", [(CONFIGS[64], None), (GluonConfig(128, 128, 4, 8, rescale_threshold=8), 8.0)])
+def test_forward_launch_passes_the_rescale_threshold(cfg, want, monkeypatch):
     from packattn.ops.varlen import fwd_sm90
 
     params = set(fwd_sm90.varlen_fwd_gluon_ws_kernel.arg_names)
@@ -65,7 +53,6 @@ def test_forward_launch_passes_the_variants(cfg, want, pingpong, monkeypatch):
                           cfg)
     ((_grid, _args, kwargs),) = kernel.launches
     assert kwargs["RESCALE_THRESHOLD"] == want
-    assert kwargs.get("PINGPONG", False) is pingpong  # off: the kernel's default, not passed
     assert set(kwargs) - {"maxnreg"} <= params  # every constexpr the launcher passes is one the kernel takes
     assert want is None or isinstance(kwargs["RESCALE_THRESHOLD"], float)
 
@@ -83,18 +70,3 @@ def test_lazy_rescaling_compiles_for_sm90a_without_spills():
     assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
     mains = [line for line in stdout.splitlines() if "kind=main" in line]
     assert len(mains) == 2 and all("cta_bar=0" in line for line in mains)
-
-
-@pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
-def test_pingpong_compiles_for_sm90a_without_spills():
-    """The ping-pong at d = 128 (the causal mask): compiles, no spills, the softmax still overlaps the PV wgmma, and
-    each main loop waits on two mbarriers a block (its ring slot and its turn) and arrives on two (the slot and the
-    other consumer's turn), with no CTA-wide barrier."""
-    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
-              "problem, text = c.check_variant('bf16', (128, 128), 'R', '128,128,3,8,pp')\n"
-              "print(text, flush=True)\n"
-              "sys.exit(1 if problem else 0)\n")
-    stdout = compile_check(script, timeout=120)
-    assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
-    mains = [line for line in stdout.splitlines() if "kind=main" in line]
-    assert len(mains) == 2 and all("cta_bar=0" in line and "mbar_wait=2 mbar_arrive=2" in line for line in mains)

@@ -141,17 +141,12 @@ class GluonConfig:
     # when a block's max exceeds it by more than this (P <= 2^t: at most 15, fp16's P operand), and a consumer
     # warp group skips the O rescale when none of its rows moved.
     rescale_threshold: float | None = None
-    # the two consumer warp groups take turns issuing each key block's matmuls (FA3's ping-pong), so one group's
-    # softmax runs under the other's; needs two consumers (block_m 128) and every block computed (no trim)
-    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
             raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
         if self.stages < 2:
             raise ValueError(f"{self}: stages must be >= 2")
-        if self.pingpong and (self.block_m != 128 or self.trim):
-            raise ValueError(f"{self}: pingpong needs block_m 128 (two consumer warp groups) and trim off")
         t = self.rescale_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")

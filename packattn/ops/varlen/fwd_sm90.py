@@ -181,21 +181,6 @@ def _rescale_threshold(arg):
 
 
 @gluon.jit
-def _wait_turn(wg_bars, block, WG: gl.constexpr):
-    """``PINGPONG``: wait until this consumer may issue ring block ``block``'s products. Consumer 0 waits on
-    ``wg_bars[1]`` (its turn for block b is free once consumer 1 issued block b - 1; block 0 at once: the
-    previous phase), consumer 1 on ``wg_bars[2]`` (once consumer 0 issued block b). Both issue every ring block
-    (no ``TRIM``), so neither runs more than one turn ahead and the parity ``b & 1`` names the phase."""
-    mbarrier.wait(wg_bars.index(1 + WG), (block & 1) ^ (1 - WG))
-
-
-@gluon.jit
-def _pass_turn(wg_bars, WG: gl.constexpr):
-    """``PINGPONG``: this consumer issued its products of a block: the other consumer's turn (`_wait_turn`)."""
-    mbarrier.arrive(wg_bars.index(2 - WG), count=1)
-
-
-@gluon.jit
 def _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_start, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
                     window_left, window_right, chunk_size, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
@@ -218,48 +203,32 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None,
-               RESCALE_THRESHOLD: gl.constexpr = None, PINGPONG: gl.constexpr = False):
+               RESCALE_THRESHOLD: gl.constexpr = None):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
     through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
     operands: the second column parts (`fwd_sm90_parts`) or None; with ``v_lo_bufs`` the output accumulator
     ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
-    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`. ``PINGPONG``: the two consumers
-    take turns issuing each block's products (`_wait_turn` / `_pass_turn`), so that one group's softmax runs
-    under the other's matmuls; the O rescale then comes before the turn, outside the issue."""
+    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`."""
     dtype: gl.constexpr = q_wg.dtype
     acc_lo = None
     if v_lo_bufs is not None:
         acc, acc_lo = acc
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    if PINGPONG:
-        _wait_turn(wg_bars, base, WG)
-    s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES)
-    if PINGPONG:
-        _pass_turn(wg_bars, WG)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES), ))
     p, alpha, m_i, l_i, rescale = _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q,
                                                   len_kv, qk_scale_log2, window_left, window_right, chunk_size,
                                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
-        if PINGPONG:
-            acc = _scale_acc(acc, alpha, rescale, o_layout)
-            _wait_turn(wg_bars, base + j + 1, WG)
-            s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
-        else:
-            s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
-            # blocks before the last never cross the sequence end: no V tail to zero here
-            acc = _scale_acc(acc, alpha, rescale, o_layout)
+        s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
+        # blocks before the last never cross the sequence end: no V tail to zero here
+        acc = _scale_acc(acc, alpha, rescale, o_layout)
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
         if v_lo_bufs is None:
-            if PINGPONG:
-                _pass_turn(wg_bars, WG)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
         else:
             lo_tok = _pv_lo(p_op, alpha, acc_lo, v_lo_bufs.index((base + j) % STAGES), o_lo_layout, rescale)
-            if PINGPONG:
-                _pass_turn(wg_bars, WG)
             s = warpgroup_mma_wait(2, deps=(s_tok, ))  # S[j+1] done; PV[j]'s two parts keep running
         p, alpha, m_i, l_i, rescale = _attend_softmax(
             s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
@@ -300,10 +269,10 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr,
-                 PINGPONG: gl.constexpr = False, RESCALE_ARG: gl.constexpr = -1.0):
+                 RESCALE_ARG: gl.constexpr = -1.0):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
-    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``PINGPONG``: `_ws_attend`.
+    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it.
     The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -352,7 +321,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout,
-                    _rescale_threshold(RESCALE_ARG), PINGPONG)
+                    _rescale_threshold(RESCALE_ARG))
             else:
                 mbarrier.arrive(q_empty, count=1)
             if o_lo_layout is not None:
@@ -372,13 +341,13 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                        TRIM: gl.constexpr, PINGPONG: gl.constexpr = False, RESCALE_ARG: gl.constexpr = -1.0):
+                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
                  q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                 HAS_CHUNK, TOP_LEFT, TRIM, PINGPONG, RESCALE_ARG)
+                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG)
 
 
 @gluon.jit
@@ -391,7 +360,7 @@ def varlen_fwd_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None, PINGPONG: gl.constexpr = False,
+    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
@@ -399,10 +368,7 @@ def varlen_fwd_gluon_ws_kernel(
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
     ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
-    (`common_sm90._new_max`). ``PINGPONG``: the two consumers take turns issuing their matmuls (`_ws_attend`;
-    two consumers, no ``TRIM``)."""
-    if PINGPONG:
-        gl.static_assert((BLOCK_M == 128) and not TRIM, "ping-pong: two consumers, every block")
+    (`common_sm90._new_max`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -424,8 +390,8 @@ def varlen_fwd_gluon_ws_kernel(
         q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty = _part_buffers(
             q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, BLOCK_M, BLOCK_N, STAGES, part_hi(HEAD_DIM),
             part_hi(HEAD_DIM_V))
-    # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`); [1] and [2]: the ``PINGPONG`` turns
-    # (`_wait_turn`), allocated and initialised without it too.
+    # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`). [1] and [2] are never waited on; they stay
+    # allocated and initialised so that the kernel's PTX stays the one that was benchmarked.
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     mbarrier.init(wg_bars.index(0), count=NUM_CONSUMERS)
     mbarrier.init(wg_bars.index(1), count=1)
@@ -438,13 +404,13 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            PINGPONG, _rescale_arg(RESCALE_THRESHOLD))),
+                            _rescale_arg(RESCALE_THRESHOLD))),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                                   PINGPONG, _rescale_arg(RESCALE_THRESHOLD))),
+                                   _rescale_arg(RESCALE_THRESHOLD))),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,

@@ -139,10 +139,9 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
 
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
-    """The forward kernel's constexprs of ``cfg``'s variants: lazy rescaling, ``RESCALE_THRESHOLD`` (None: off, or a
-    float), and ``PINGPONG`` where on (off: the kernel's default)."""
+    """The forward kernel's constexpr of ``cfg``'s lazy rescaling: ``RESCALE_THRESHOLD``, None (off) or a float."""
     t = cfg.rescale_threshold
-    return {"RESCALE_THRESHOLD": None if t is None else float(t), **({"PINGPONG": True} if cfg.pingpong else {})}
+    return {"RESCALE_THRESHOLD": None if t is None else float(t)}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
