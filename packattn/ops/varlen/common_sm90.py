@@ -236,11 +236,13 @@ def _issue_qk(q_smem, k_bufs, ready, block, s_zero, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _zero_v_tail(v_buf, first_row, len_kv, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+def _zero_v_tail(v_buf, first_row, len_kv, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr,
+                 CHUNK: gl.constexpr = 32):
     """Zero the rows of one V slot that lie past the sequence end (positions ``>= len_kv``), in
-    32-row chunks (few registers), then fence and synchronise the CTA so both warp groups' wgmma
-    see the zeros. Their probabilities are 0 already, but 0 * NaN from padding would not be."""
-    CHUNK: gl.constexpr = 32
+    ``CHUNK``-row chunks (few registers; ``CHUNK`` divides ``BLOCK_N``, `tail_chunk`), then fence and
+    synchronise the CTA so both warp groups' wgmma see the zeros. Their probabilities are 0 already,
+    but 0 * NaN from padding would not be."""
+    gl.static_assert(BLOCK_N % CHUNK == 0, "whole chunks")
     layout: gl.constexpr = row_store_layout(num_warps, HEAD_DIM)
     for c in gl.static_range(BLOCK_N // CHUNK):
         part = v_buf.slice(c * CHUNK, CHUNK, dim=0)
@@ -249,6 +251,14 @@ def _zero_v_tail(v_buf, first_row, len_kv, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
         part.store(gl.where((rows < len_kv)[:, None], vals, gl.zeros_like(vals)))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.constexpr_function
+def tail_chunk(rows, head_dim):
+    """Rows per step of `_zero_v_tail` over ``rows`` rows of ``head_dim`` columns (4 warps): 32, fewer where the
+    part has fewer rows (a 32-row step would zero nothing) or where 32 rows would take more than 16 registers a
+    thread (d = 256: the forward's tail is zeroed with its 64 x 256 output accumulator live)."""
+    return min(int(rows), 32, 4096 // int(head_dim))
 
 
 @gluon.jit
