@@ -48,7 +48,6 @@ from packattn.ops.varlen.fwd_sm90_parts import part_hi  # noqa: E402
 from packattn.ops.varlen.launch_sm90 import (  # noqa: E402
     fwd_resources,
     fwd_variant_constexprs,
-    q_box_rows,
     shared_bytes,
 )
 
@@ -118,7 +117,7 @@ def part_blocks(dims: tuple[int, int], block_m: int, block_n: int) -> dict:
     """The kernel's descriptor arguments as the launcher builds them: name -> TMA block ``[rows, columns]``, or
     None (``*_lo_desc`` where a head dim is a power of two: one column part)."""
     (d, dv), blocks = dims, {}
-    for name, rows, dim in (("q", q_box_rows(block_m), d), ("k", block_n, d), ("v", block_n, dv)):
+    for name, rows, dim in (("q", block_m, d), ("k", block_n, d), ("v", block_n, dv)):
         hi = part_hi(dim)
         blocks[f"{name}_desc"] = [rows, hi]
         blocks[f"{name}_lo_desc"] = [rows, dim - hi] if dim > hi else None

@@ -19,11 +19,11 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 
-``--opt-in``: instead, the candidate configs of `OPT_IN` (192-row tiles at d = 64: three consumer warp groups;
-64-key blocks at d = 256, with and without lazy rescaling) in place of the dim's table config, under the masks
-named there (causal both alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores grow
-along the keys (q x 2, key t of a sequence x (1 + 3 t / len): the running max moves, so a lazy rescale branch
-runs both ways), fp16 causal too; each line gives the table config's errors beside.
+``--opt-in``: instead, lazy rescaling (`GluonConfig.rescale_threshold`, the thresholds of `OPT_IN`) on each dim's
+table config, at every forward head dim (64, 96, 128, 192, 256, MLA) and mask (causal both alignments, none, window,
+chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence
+x (1 + 3 t / len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal
+too; each line gives the table config's errors beside. ~60 compiles.
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py --opt-in [--dims 64 256]
 """
@@ -64,11 +64,9 @@ LENGTHS_KV = [5, 1, 37, 260, 129, 333, 40, 17, 700]
 MASKS = {"causal": {"causal": True}, "causal-tl": {"causal": "top_left"}, "none": {}, "window": {"window": (100, 30)},
          "chunk": {"causal": True, "chunk_size": 96}}
 # --opt-in: variant -> (GluonConfig fields, the dims it runs at (None: all), masks)
-ALL_MASKS = ("causal", "causal-tl", "none", "window", "chunk")
 OPT_IN = {
-    "rows192": ({"block_m": 192, "num_warps": 12, "block_n": 64, "stages": 4}, ((64, 64),), ALL_MASKS),
-    "keys64": ({"block_n": 64, "stages": 2, "rescale_threshold": None}, ((256, 256),), ALL_MASKS),
-    "keys64lazy": ({"block_n": 64, "stages": 2}, ((256, 256),), ("causal", "window")),
+    "lazy8": ({"rescale_threshold": 8.0}, None, ("causal", "causal-tl", "none", "window", "chunk")),
+    "lazy0": ({"rescale_threshold": 0.0}, ((64, 64), (256, 256), (192, 128)), ("causal", "window")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)

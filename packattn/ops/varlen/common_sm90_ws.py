@@ -37,14 +37,6 @@ def _opaque_num_programs(like):
 
 
 @gluon.jit
-def _opaque_i32(x):
-    """``x`` (an int32 scalar) through inline asm LLVM may not hoist or merge: what a partition computes from it
-    stays inside the partition instead of moving to the kernel's entry block, whose values live across
-    setmaxnreg, where ptxas spills them."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _program_id(like, OPAQUE_PID: gl.constexpr):
     """The program id; ``OPAQUE_PID``: read through inline asm that LLVM may not merge with an earlier
     read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
@@ -103,13 +95,9 @@ def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HEAD_DIM: gl.constexpr):
     """Shared memory of the warp-specialised forward, barriers initialised: ``(q_smem, k_bufs, v_bufs,
-    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group. Q of a
-    192-row tile is ``[3, 64, HEAD_DIM]`` (layouts take power-of-two shapes), one slot per consumer."""
+    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group."""
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
-    if NUM_CONSUMERS == 3:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [3, 64, HEAD_DIM], q_desc.layout)
-    else:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -123,18 +111,10 @@ def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
 @gluon.jit
 def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
     """Producer: TMA the tile's Q (rows ``row ...``, column ``col``) onto ``q_bar`` once the consumers
-    released the previous tile's Q on ``q_empty`` (``loads_q``: Q loads issued before this one). The Q of a
-    192-row tile (`_ws_buffers`: ``[3, 64, d]``, boxes of 64 rows) comes in three boxes."""
+    released the previous tile's Q on ``q_empty`` (``loads_q``: Q loads issued before this one)."""
     mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
-    BOX: gl.constexpr = q_desc.block_type.shape[0]
-    if q_smem.shape[0] == BOX:
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
-    else:
-        BOXES: gl.constexpr = q_smem.shape[0]
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes * BOXES)
-        for i in gl.static_range(BOXES):
-            tma.async_copy_global_to_shared(q_desc, [row + i * BOX, col], q_bar, q_smem.index(i))
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
 
 
 @gluon.jit

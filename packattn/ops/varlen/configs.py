@@ -143,8 +143,8 @@ class GluonConfig:
     rescale_threshold: float | None = None
 
     def __post_init__(self):
-        if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128, 192):
-            raise ValueError(f"{self}: block_m must be 64, 128 or 192 and equal 16 * num_warps")
+        if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
+            raise ValueError(f"{self}: block_m must be 64 or 128 and equal 16 * num_warps")
         if self.stages < 2:
             raise ValueError(f"{self}: stages must be >= 2")
         t = self.rescale_threshold

@@ -48,8 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _load_kv_block, _rows_any, _scale_acc,
                                                _softmax_any, _to_operand, _zero_v_tail, mma_layout, tail_chunk)
-from packattn.ops.varlen.common_sm90_ws import (_opaque_i32, _work_item, _ws_buffers, _ws_epilogue, _ws_load_q,
-                                                _ws_tile_start)
+from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_kv_parts, _load_q_parts, _part_buffers, _pv_lo,
                                                 _store_cols, lo_mma_layout, part_hi, parts_ok)
 
@@ -108,29 +107,20 @@ def _ws_producer(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles,
             loads_q += 1
 
 
-@gluon.constexpr_function
-def _tail_zeroers(num_consumers):
-    """The consumer warp groups that zero a V tail: all of them, but two of three (a block's rows split in
-    halves)."""
-    return 2 if num_consumers == 3 else num_consumers
-
-
 @gluon.jit
 def _ws_zero_v_tail(v_buf, n_start, len_kv, ntail, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, v_lo_buf=None):
-    """Zero the rows of the last block's V slot past the sequence end (keys ``n_start ...``), each of the
-    `_tail_zeroers` consumer warp groups its own ``BLOCK_N / zeroers`` rows (two groups storing the same rows
-    is a write-write race, if a harmless one), then meet the other groups on ``wg_bars[0]`` (phase
-    ``ntail & 1``: tiles with a tail so far) so none starts PV before the whole tail is zero.
+    """Zero the rows of the last block's V slot past the sequence end (keys ``n_start ...``), each
+    consumer warp group its own ``BLOCK_N / NUM_CONSUMERS`` rows (two groups storing the same rows
+    is a write-write race, if a harmless one), then meet the other group on ``wg_bars[0]`` (phase
+    ``ntail & 1``: tiles with a tail so far) so neither starts PV before the whole tail is zero.
     ``HEAD_DIM``: ``v_buf``'s columns; ``v_lo_buf``: the slot's second value part, or None."""
-    ZEROERS: gl.constexpr = _tail_zeroers(NUM_CONSUMERS)
-    PART: gl.constexpr = BLOCK_N // ZEROERS
-    if WG < ZEROERS:
-        _zero_v_tail(v_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, HEAD_DIM, 4,
-                     tail_chunk(PART, HEAD_DIM))
-        if v_lo_buf is not None:
-            _zero_v_tail(v_lo_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART,
-                         v_lo_buf.shape[1], 4, tail_chunk(PART, v_lo_buf.shape[1]))
+    PART: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    _zero_v_tail(v_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, HEAD_DIM, 4,
+                 tail_chunk(PART, HEAD_DIM))
+    if v_lo_buf is not None:
+        _zero_v_tail(v_lo_buf.slice(WG * PART, PART, dim=0), n_start + WG * PART, len_kv, PART, v_lo_buf.shape[1], 4,
+                     tail_chunk(PART, v_lo_buf.shape[1]))
     if NUM_CONSUMERS > 1:
         mbarrier.arrive(wg_bars.index(0), count=1)
         mbarrier.wait(wg_bars.index(0), ntail & 1)
@@ -180,24 +170,6 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
 
 
 @gluon.constexpr_function
-def q_desc_in_loop(head_dim, head_dim_v):
-    """Does the consumer build Q's wgmma descriptors per S inside the loop (`_q_view`)? At d = 256 (one column
-    part): hoisted, its 16 descriptors of 64 bits take registers that 64-key blocks need; elsewhere they stay
-    hoisted (the kernel's code as without this)."""
-    return int(head_dim) == 256 and int(head_dim_v) == 256
-
-
-@gluon.jit
-def _q_view(q_wg, like, Q_WG: gl.constexpr):
-    """The consumer's 64 rows of Q for one S: ``q_wg`` itself, or with ``Q_WG >= 0`` (`q_desc_in_loop`) rows
-    ``64 Q_WG ...`` of ``q_wg`` (then Q's whole buffer as ``[1, rows, d]``, the same bytes) indexed by a zero
-    that LLVM cannot hoist (inline asm of ``like``, any int32 scalar of the loop)."""
-    if Q_WG >= 0:
-        q_wg = q_wg.index(_opaque_i32(like * 0)).slice(Q_WG * 64, 64, dim=0)
-    return q_wg
-
-
-@gluon.constexpr_function
 def _rescale_arg(threshold):
     """``RESCALE_THRESHOLD`` as the partitions take it (None cannot travel in ``gl.warp_specialize``'s argument
     tuples): -1.0 for None (off)."""
@@ -233,27 +205,25 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None,
-               RESCALE_THRESHOLD: gl.constexpr = None, Q_WG: gl.constexpr = -1):
+               RESCALE_THRESHOLD: gl.constexpr = None):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
     through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
     operands: the second column parts (`fwd_sm90_parts`) or None; with ``v_lo_bufs`` the output accumulator
     ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
-    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`. ``Q_WG``: `_q_view`."""
+    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`."""
     dtype: gl.constexpr = q_wg.dtype
     acc_lo = None
     if v_lo_bufs is not None:
         acc, acc_lo = acc
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(_q_view(q_wg, base, Q_WG), q_lo_wg, k_bufs, k_lo_bufs, ready, base,
-                                                    s_zero, STAGES), ))
+    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES), ))
     p, alpha, m_i, l_i, rescale = _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q,
                                                   len_kv, qk_scale_log2, window_left, window_right, chunk_size,
                                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
-        s_tok = _issue_qk_parts(_q_view(q_wg, j, Q_WG), q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero,
-                                STAGES)
+        s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
         # blocks before the last never cross the sequence end: no V tail to zero here
         acc = _scale_acc(acc, alpha, rescale, o_layout)
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
@@ -310,14 +280,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, DV_HI)
     o_lo_layout: gl.constexpr = lo_mma_layout(HEAD_DIM_V)
-    Q_WG: gl.constexpr = WG if q_desc_in_loop(HEAD_DIM, HEAD_DIM_V) else -1
-    if NUM_CONSUMERS == 3:
-        gl.static_assert(Q_WG < 0, "192-row tiles keep Q's descriptors hoisted")
-        q_wg = q_smem.index(WG)  # (`_ws_buffers`: one 64-row slot per consumer)
-    elif Q_WG >= 0:  # (`_q_view`)
-        q_wg = q_smem._reinterpret(q_smem.dtype, [1, 64 * NUM_CONSUMERS, q_smem.shape[1]], q_smem.layout)
-    else:
-        q_wg = q_smem.slice(WG * 64, 64, dim=0)
+    q_wg = q_smem.slice(WG * 64, 64, dim=0)
     q_lo_wg = None  # (None where the dim has one part: the buffers passed then are stand-ins)
     if part_hi(HEAD_DIM) != HEAD_DIM:
         q_lo_wg = q_lo.slice(WG * 64, 64, dim=0)
@@ -349,7 +312,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
                         BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs,
-                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), Q_WG)
+                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG))
                 else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
@@ -360,7 +323,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout,
-                    _rescale_threshold(RESCALE_ARG), Q_WG)
+                    _rescale_threshold(RESCALE_ARG))
             else:
                 mbarrier.arrive(q_empty, count=1)
             if o_lo_layout is not None:
@@ -409,7 +372,7 @@ def varlen_fwd_gluon_ws_kernel(
     ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
     (`common_sm90._new_max`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128) | (BLOCK_M == 192), "one consumer warp group per 64 rows")
+    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
     gl.static_assert(parts_ok(HEAD_DIM) & parts_ok(HEAD_DIM_V), "head dims: a power of 2, or 2^a + 2^b, 2^b >= 16")
     gl.static_assert((q_lo_desc is None) == (part_hi(HEAD_DIM) == HEAD_DIM), "q/k: a lo part iff not a power of 2")
@@ -418,8 +381,6 @@ def varlen_fwd_gluon_ws_kernel(
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
     # one power-of-two head dim: the buffers (and the code) of the kernel before column parts
     PLAIN: gl.constexpr = (HEAD_DIM == HEAD_DIM_V) & (part_hi(HEAD_DIM) == HEAD_DIM)
-    if NUM_CONSUMERS == 3:
-        gl.static_assert(PLAIN, "192-row tiles: one power-of-two head dim (Q in 64-row boxes, `_ws_load_q`)")
 
     if PLAIN:
         q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
@@ -457,31 +418,6 @@ def varlen_fwd_gluon_ws_kernel(
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
                             ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    elif NUM_CONSUMERS == 3:  # three consumer warp groups of 64 rows: 192-row tiles
-        gl.warp_specialize([
-            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
-                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
-                            k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
-                            HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD))),
-            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
-                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
-                            k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 1, NUM_CONSUMERS, HEAD_DIM,
-                            HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD))),
-            (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
-                            stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left,
-                            window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
-                            k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 2, NUM_CONSUMERS, HEAD_DIM,
-                            HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD))),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
-                            cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
-                            heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
-                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,

@@ -128,7 +128,7 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
     res = fwd_resources(cfg, head_dim, head_dim_v)
     section = heads_per_section(heads_q, heads_q // heads_kv, short_seqs)
     (q_desc, q_lo), (k_desc, k_lo), (v_desc, v_lo) = (
-        part_descriptors(q, q_box_rows(cfg.block_m)), part_descriptors(k, cfg.block_n), part_descriptors(v, cfg.block_n))
+        part_descriptors(q, cfg.block_m), part_descriptors(k, cfg.block_n), part_descriptors(v, cfg.block_n))
     args = (q_desc, k_desc, v_desc, q_lo, k_lo, v_lo, out, lse, q_tiles,
             *seq_args, out.stride(0), out.stride(1), lse.stride(0),
             heads_q, heads_q // heads_kv, scale * LOG2E, *mask_scalars(mask), num_work, section)
@@ -136,12 +136,6 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         **mask_constexprs(mask), CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
         TRIM=cfg.trim, **fwd_variant_constexprs(cfg), num_warps=4, maxnreg=res["maxnreg"]))
-
-
-def q_box_rows(block_m: int) -> int:
-    """Rows of the forward's Q TMA box: the tile's, or 64 for a 192-row tile (three consumer warp groups; a TMA
-    box has power-of-two rows, and the producer loads such a tile's Q in three boxes, `_ws_load_q`)."""
-    return block_m if block_m & (block_m - 1) == 0 else 64
 
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
