@@ -103,7 +103,11 @@ def _tune_parser(sub) -> None:
                       "commit it as packattn/data/costs_<arch>.json")
     tune.add_argument("--check", action="store_true", help="instead: time auto against every backend on a sweep "
                       "of other shapes (forward and forward+backward) and print auto's ratio to the fastest")
-    tune.add_argument("--table", metavar="FILE", help="--check: rank by this table instead of the packaged one")
+    tune.add_argument("--replay", metavar="CHECK_JSON", help="instead, on any machine: replay a --check run's "
+                      "--json rows against a table (--table, default the packaged one): what auto would pick, and "
+                      "its ratio to the fastest on that run's own timings")
+    tune.add_argument("--table", metavar="FILE", help="--check / --replay: rank by this table instead of the "
+                      "packaged one")
     tune.add_argument("--json", metavar="FILE", help="--check: write the sweep's rows here")
     tune.add_argument("--budget", type=float, default=290.0, metavar="SECONDS",
                       help="wall time for the whole run, compiles included (default 290): timing stops when it is "
@@ -117,12 +121,16 @@ def _tune_parser(sub) -> None:
 
 
 def _tune(args, parser, argv) -> int:
+    if args.replay:
+        from packattn.bench.tune_replay import run_replay
+
+        return run_replay(args.replay, args.table)
     if args.check:
         from packattn.bench.tune_check import run_check
 
         return run_check(args.table, args.backends, args.json, args.workers, args.budget)
     if not args.out:
-        parser.error("packattn tune needs --out FILE (or --check)")
+        parser.error("packattn tune needs --out FILE (or --check, or --replay CHECK_JSON)")
     from packattn.bench.tune import run_tune
 
     command = "packattn " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -4,17 +4,25 @@ architecture: ``packattn/data/costs_<arch>.json`` (``sm90``: H100 and H200), wri
 and the command line in the file's ``meta``.
 
 A row is keyed on what dispatch keys a call on (`Key`): q/k and v head dims, GQA group (query heads per
-key/value head), length regime (``small``: longest sequence <= 16 rows, the small-seq kernels' range;
-``tiny``: <= `lengths.TINY_SEQLEN`; ``short``: <= `lengths.SHORT_SEQLEN`; ``long``: above it; the longest of
-queries and keys, from the bucketed lengths of `dispatch.Params`), mask kind (`mask_kind`) and forward-only vs
-with gradients. Its value is the time in ms of each backend measured on the row's shapes (summed over them).
+key/value head), length regime (`regime`, of the longest of queries and keys, from the bucketed lengths of
+`dispatch.Params`), mask kind (`mask_kind`) and forward-only vs with gradients. Its value is the time in ms of
+each backend measured on the row's shapes (summed over them).
+
+The regimes (`REGIME_LENGTHS`) count the forward's 128-row tiles of the longest sequence, and ``packattn tune``
+measures each on documents as long as it allows (`bench.tune.tune_grid`): ``small`` (<= 16 rows, the small-seq
+kernels' range), ``tiny`` (<= `lengths.TINY_SEQLEN` = 128: one tile; 128-token documents), ``mid`` (<=
+`lengths.MID_SEQLEN` = 256: two tiles; 256-token documents), ``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or
+four tiles; 512-token documents), ``long`` (above; W1's document lengths). Backends rank differently in each: at
+d = 64 MHA with gradients the triton backend leads at 200 tokens where FA4 leads at 512.
 
 How a row *covers* a call (`lookup`), each rule a reason in ``packattn explain`` when it fails:
 
 * the call runs on a CUDA device whose architecture has a table (none for the CPU);
 * its dtype is fp16 or bf16 (the table is measured in bf16; fp16 runs the same kernels);
 * it is a varlen or dense batch (trees are not measured);
-* head dims, regime, mask kind and gradients match the row exactly;
+* head dims, regime, mask kind and gradients match the row exactly, except that a call of a regime the table
+  has no such row for is ranked by the row of its stand-in regime (`STAND_INS`: ``mid`` -> ``short``), which
+  is how a table tuned before ``mid`` existed ranked those calls (``packattn explain`` says when it does);
 * the GQA group is the measured group nearest to the call's on a log2 scale (ties: the smaller group).
 
 Heads, token counts, padding between sequences, ``return_lse`` and ``deterministic`` are not in the key:
@@ -31,10 +39,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from packattn.lengths import SHORT_SEQLEN, TINY_SEQLEN
+from packattn.lengths import MID_SEQLEN, SHORT_SEQLEN, TINY_SEQLEN
 
-SCHEMA = 1
-REGIMES = ("small", "tiny", "short", "long")
+SCHEMA = 1  # a schema-1 table may have no ``mid`` rows: `STAND_INS` covers those calls
+REGIMES = ("small", "tiny", "mid", "short", "long")
+# the longest sequence of each regime, as ``packattn explain`` names it
+REGIME_LENGTHS = {"small": "<= 16", "tiny": f"17-{TINY_SEQLEN}", "mid": f"{TINY_SEQLEN + 1}-{MID_SEQLEN}",
+                  "short": f"{MID_SEQLEN + 1}-{SHORT_SEQLEN}", "long": f"> {SHORT_SEQLEN}"}
+# regime -> the regime whose row ranks its calls where the table has no row of its own for them: the one measured
+# at the nearest longer length, which is also what a table tuned without ``mid`` rows means for those lengths
+STAND_INS = {"mid": "short"}
 MASKS = ("causal", "causal_top_left", "none", "window", "chunk")
 META_KEYS = ("device", "torch", "triton", "fa4", "packattn", "date", "command", "dtype")
 _SMALL = 16  # longest sequence of the small regime (dispatch keeps lengths up to 16 exact)
@@ -88,13 +102,16 @@ class Decision:
     table: Table | None = None
     row: Row | None = None
     passed: dict = field(default_factory=dict)
+    stand_in: str = ""  # why ``row`` is of another regime than the call's (`STAND_INS`), else ""
 
     def describe(self) -> str:
-        """One line: which row decided (key, device, date, the times), or that the priority rule did."""
+        """One line: which row decided (key, device, date, the times; a stand-in row says so), or that the
+        priority rule did."""
         if self.choice is None:
             return f"the priority rule ({self.why})"
         times = ", ".join(f"{name} {ms:.3g} ms" for name, ms in sorted(self.row.ms.items(), key=lambda t: t[1]))
-        return f"cost table {self.table.describe()}, row {self.row.key.describe()}: {times}"
+        note = f", {self.stand_in}" if self.stand_in else ""
+        return f"cost table {self.table.describe()}, row {self.row.key.describe()}{note}: {times}"
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -210,11 +227,12 @@ def device_arch(params) -> str | None:
 
 
 def regime(max_seqlen_q: int, max_seqlen_kv: int) -> str:
-    """The length regime of bucketed (or real) longest lengths, queries or keys."""
+    """The length regime of bucketed (or real) longest lengths, queries or keys (`REGIME_LENGTHS`)."""
     longest = max(max_seqlen_q, max_seqlen_kv)
-    if longest <= _SMALL:
-        return "small"
-    return "tiny" if longest <= TINY_SEQLEN else "short" if longest <= SHORT_SEQLEN else "long"
+    for name, bound in (("small", _SMALL), ("tiny", TINY_SEQLEN), ("mid", MID_SEQLEN), ("short", SHORT_SEQLEN)):
+        if longest <= bound:
+            return name
+    return "long"
 
 
 def mask_kind(mask, is_self: bool) -> str:
@@ -242,7 +260,8 @@ def call_key(params) -> tuple[Key | None, str]:
 
 
 def lookup(params) -> tuple[Table | None, Row | None, str]:
-    """``(table, the row covering the call, "")`` or ``(table or None, None, why none covers it)``."""
+    """``(table, the row covering the call, "" or why it is a stand-in row)`` or ``(table or None, None, why
+    none covers it)``."""
     arch = device_arch(params)
     if arch is None:
         return None, None, ("no CUDA device in this process" if params.device_type == "cuda"
@@ -253,12 +272,25 @@ def lookup(params) -> tuple[Table | None, Row | None, str]:
     key, why = call_key(params)
     if key is None:
         return found, None, why
-    same = [r for r in found.rows if (r.key.head_dim, r.key.head_dim_v, r.key.regime, r.key.mask, r.key.grad)
-            == (key.head_dim, key.head_dim_v, key.regime, key.mask, key.grad)]
-    if not same:
-        return found, None, f"{found.describe()} has no row for {key.describe()}"
-    best = min(same, key=lambda r: (abs(math.log2(r.key.group) - math.log2(key.group)), r.key.group))
-    return found, best, ""
+    row, note = covering(found, key)
+    return found, row, note
+
+
+def covering(found: Table, key: Key, stand_ins: dict | None = None) -> tuple[Row | None, str]:
+    """``(the row of ``found`` covering a call of ``key``, "" or why it is of the stand-in regime)``, or ``(None,
+    why none covers it)``: same head dims, mask kind and gradients, the key's regime (else its stand-in's:
+    ``stand_ins``, default `STAND_INS`), the nearest measured group."""
+    stand_in = (STAND_INS if stand_ins is None else stand_ins).get(key.regime)
+    for regime_name in (key.regime, stand_in) if stand_in else (key.regime,):
+        same = [r for r in found.rows if (r.key.head_dim, r.key.head_dim_v, r.key.regime, r.key.mask, r.key.grad)
+                == (key.head_dim, key.head_dim_v, regime_name, key.mask, key.grad)]
+        if same:
+            best = min(same, key=lambda r: (abs(math.log2(r.key.group) - math.log2(key.group)), r.key.group))
+            return best, "" if regime_name == key.regime else (
+                f"standing in for the {key.regime} regime (longest {REGIME_LENGTHS[key.regime]}; the table has no "
+                f"{key.regime} row here)")
+    also = f" (nor a {stand_in} row to stand in)" if stand_in else ""
+    return None, f"{found.describe()} has no row for {key.describe()}{also}"
 
 
 def decide(params, candidates: list[str]) -> Decision:
@@ -269,13 +301,18 @@ def decide(params, candidates: list[str]) -> Decision:
     found, row, why = lookup(params)
     if row is None:
         return Decision(None, why, found)
-    stale = _stale(found)
+    return rank(found, row, candidates, _stale(found), why)
+
+
+def rank(found: Table, row: Row, candidates: list[str], stale: dict, stand_in: str = "") -> Decision:
+    """`decide` once ``row`` covers the call: ``stale`` the backends whose times do not apply (`_stale`),
+    ``stand_in`` why the row is of another regime (`covering`), else ""."""
     measured = [name for name in candidates if name in row.ms and name not in stale]
     if not measured:
         unusable = [name for name in candidates if name in row.ms]
         what = (f"times only {', '.join(unusable)}, not what runs here ({stale[unusable[0]]})" if unusable else
                 f"measured none of {', '.join(candidates) or 'the backends that can run it'}")
-        return Decision(None, f"{found.describe()}, row {row.key.describe()}, {what}", found, row)
+        return Decision(None, f"{found.describe()}, row {row.key.describe()}, {what}", found, row, stand_in=stand_in)
     choice = min(measured, key=lambda name: (row.ms[name], measured.index(name)))
     where = f"cost table row {row.key.describe()}"
     passed = {}
@@ -288,7 +325,7 @@ def decide(params, candidates: list[str]) -> Decision:
             passed[name] = f"{row.ms[name]:.3g} ms vs {choice} {row.ms[choice]:.3g} ms in the {where}"
         else:
             passed[name] = f"not measured in the {where} (auto picks the fastest measured: {choice})"
-    return Decision(choice, "", found, row, passed)
+    return Decision(choice, "", found, row, passed, stand_in)
 
 
 def _stale(found: Table) -> dict:

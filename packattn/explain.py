@@ -2,7 +2,9 @@
 backend is passed over, without running anything (no tensors are allocated; descriptors are built on
 the host). It asks the same dispatch code a call asks, with the environment's overrides
 (``PACKATTN_BACKEND``, ``PACKATTN_DISABLE``) applied, and says what decided: the measured-cost table's row
-(`packattn.costs`: its key, the table's device and date, every backend's time) or the priority rule.
+(`packattn.costs`: its key, the table's device and date, every backend's time) or the priority rule. It names
+the call's cost-table key, length regime included, and says when a row of another regime stands in for a
+regime the table has no row of (`costs.STAND_INS`).
 
 A call is described by a benchmark workload (``--workload W1``) and/or flags: lengths, heads, head
 dims, dtype, device, mask, descriptor kind, gradients, lse, determinism.
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     chosen, listing, decision = dispatch.explain(params, args.backend)
     print(f"call: {dispatch.describe(params)}, backend={args.backend!r}")
     print(f"      {line}")
+    print(f"      {_key_line(params)}")
     if params.device_type == "cuda" and not _has_cuda():
         print("      (no CUDA device here: the backends that need one are unavailable; explain on the GPU machine)")
     print(f"picks: {chosen or 'nothing (no backend can run this call)'}")
@@ -163,6 +166,16 @@ def run(args: argparse.Namespace) -> int:
             verdict = why
         print(f"  {name:<{width}}  {verdict}")
     return 0 if chosen else 1
+
+
+def _key_line(params) -> str:
+    """The call's cost-table key and its length regime's range (`costs.call_key`), or why it has none."""
+    from packattn import costs
+
+    key, why = costs.call_key(params)
+    if key is None:
+        return f"cost-table key: none ({why})"
+    return f"cost-table key: {key.describe()} (length regime {key.regime}: longest {costs.REGIME_LENGTHS[key.regime]})"
 
 
 def _decision_lines(decision) -> list[str]:

@@ -7,9 +7,11 @@ from __future__ import annotations
 # short-sequence tiles and work order, and auto dispatch passes FA4 over for the triton backend on
 # such batches with gradients (`Fa4Backend.defers_to`).
 SHORT_SEQLEN = 512
-# Documents of at most TINY_SEQLEN tokens (one tile of the forward) rank backends differently from those up
-# to SHORT_SEQLEN (the cost table's ``tiny`` and ``short`` regimes: dispatch buckets lengths at both bounds).
+# The cost table's length regimes count the forward's 128-row tiles of the longest sequence: one (``tiny``:
+# at most TINY_SEQLEN tokens), two (``mid``: at most MID_SEQLEN), three or four (``short``: at most
+# SHORT_SEQLEN); backends rank differently in each (dispatch buckets lengths at every bound).
 TINY_SEQLEN = 128
+MID_SEQLEN = 256
 
 
 def short_batch(max_seqlen_q: int, max_seqlen_kv: int) -> bool:

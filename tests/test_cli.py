@@ -298,7 +298,7 @@ def test_explain_tree_dense_and_small_seq(capsys, monkeypatch):
     assert "tree of 16 sequences: 20480 packed rows (49152 expanded), deepest 3072" in text
     assert "picks: reference" in text and "sdpa          tree descriptors need a tree-aware backend" in text
     code, text = _explain(capsys, "--kind", "dense", "--lengths", "4x256", "--device", "cpu", "--no-grad")
-    assert code == 0 and "call: dense cpu bfloat16 heads 16/16 d=128, full, longest 129-512" in text
+    assert code == 0 and "call: dense cpu bfloat16 heads 16/16 d=128, full, longest 129-256" in text
     assert "dense batch 4 x 256 queries x 256 keys" in text
     code, text = _explain(capsys, "--lengths", "1000x1", "--lengths-kv", "1000x16", "--device", "cpu")
     assert code == 0 and ", full, grad, longest 1/16," in text

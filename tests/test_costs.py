@@ -161,7 +161,8 @@ def test_a_row_that_measured_no_capable_backend_leaves_the_rule(hopper, use_tabl
     ({"head_dim_v": 64}, "has no row for d=128/64"),
     ({"requires_grad": False}, "has no row for d=128 group 4 long causal fwd"),
     ({"max_seqlen_q": 17, "max_seqlen_kv": 17}, "no row for d=128 group 4 tiny"),
-    ({"max_seqlen_q": 129, "max_seqlen_kv": 129}, "no row for d=128 group 4 short"),
+    ({"max_seqlen_q": 257, "max_seqlen_kv": 257}, "no row for d=128 group 4 short"),
+    ({"max_seqlen_q": 129, "max_seqlen_kv": 129}, "no row for d=128 group 4 mid causal fwd+bwd (nor a short row"),
     ({"mask": Mask.make(causal=True, window=(64, 0))}, "no row for d=128 group 4 long window"),
     ({"mask": Mask.make(causal="top_left"), "is_self": False}, "long causal_top_left"),
     ({"dtype": torch.float32}, "measured in bf16"),
@@ -220,9 +221,15 @@ def test_compiled_calls_rank_by_the_long_rows(hopper, use_table):
 
 def test_regimes_and_mask_kinds():
     bucket = dispatch.Params.bucket
-    assert [costs.regime(bucket(n), bucket(n)) for n in (1, 16, 17, 128, 129, 512, 513, 10**6)] == \
-        ["small", "small", "tiny", "tiny", "short", "short", "long", "long"]
+    lengths = (1, 16, 17, 128, 129, 200, 256, 257, 384, 512, 513, 10**6)
+    assert [costs.regime(bucket(n), bucket(n)) for n in lengths] == \
+        ["small", "small", "tiny", "tiny", "mid", "mid", "mid", "short", "short", "short", "long", "long"]
+    assert [costs.regime(n, n) for n in lengths] == [costs.regime(bucket(n), bucket(n)) for n in lengths]
     assert costs.regime(bucket(1), bucket(600)) == "long"  # the longer of queries and keys
+    assert costs.regime(bucket(300), bucket(200)) == "short"
+    assert list(costs.REGIME_LENGTHS) == list(costs.REGIMES)
+    assert [costs.REGIME_LENGTHS[r] for r in ("tiny", "mid", "short", "long")] == ["17-128", "129-256", "257-512",
+                                                                                 "> 512"]
     kinds = [costs.mask_kind(Mask.make(**o), s) for o, s in (
         ({"causal": True}, False), ({"causal": "top_left"}, True), ({"causal": "top_left"}, False), ({}, True),
         ({"window": (8, 8)}, True), ({"causal": True, "window": (8, 0)}, True), ({"chunk_size": 4}, True),
@@ -284,3 +291,68 @@ def test_triton_times_do_not_apply_where_its_sm90_kernels_are_off(hopper, use_ta
     _, decision = dispatch.decide(call(head_dim=192, head_dim_v=128))  # only triton measured: the rule
     assert decision.choice is None and "times only triton, not what runs here (PACKATTN_PORTABLE=1" in decision.why
     assert dispatch.select(call(head_dim=192, head_dim_v=128)).name == "triton"  # (FA4 refuses MLA)
+
+
+# ------------------------------------------------------------------------------------ the mid regime
+MID = {"max_seqlen_q": 129, "max_seqlen_kv": 129}  # bucketed: longest 129-256
+
+
+def test_a_mid_call_ranks_by_the_mid_row(hopper, use_table):
+    """200-token documents at d = 64 MHA with gradients: the mid row (256-token documents, triton ahead) decides,
+    not the short one (512, FA4 ahead)."""
+    mha64 = {"heads_kv": 16, "head_dim": 64, "head_dim_v": 64}
+    use_table(row({"fa4": 1.45, "triton": 1.53}, head_dim=64, group=1, regime="short"),
+              row({"fa4": 1.8, "triton": 1.5}, head_dim=64, group=1, regime="mid"))
+    assert dispatch.select(call(**mha64, **MID)).name == "triton"
+    assert dispatch.select(call(**mha64, max_seqlen_q=257, max_seqlen_kv=257)).name == "fa4"  # short: its own row
+    _, decision = dispatch.decide(call(**mha64, **MID))
+    assert decision.row.key.regime == "mid" and decision.stand_in == ""
+    assert "row d=64 group 1 mid causal fwd+bwd: triton 1.5 ms, fa4 1.8 ms" in decision.describe()
+
+
+def test_a_table_without_mid_rows_loads_and_its_short_rows_stand_in(hopper, use_table, tmp_path):
+    """A table tuned before the mid regime (tiny, short and long rows only) loads, and ranks a mid call by its
+    short row, as it did before the split; the decision says so. A short call never takes a mid row."""
+    old = use_table(row({"fa4": 1.0, "triton": 1.2}, regime="short"), row({"fa4": 2.0, "triton": 1.0}, regime="tiny"),
+                    row({"fa4": 1.0, "triton": 3.0}))
+    assert {r.key.regime for r in old.rows} == {"short", "tiny", "long"}
+    assert dispatch.select(call(**MID)).name == "fa4"
+    _, decision = dispatch.decide(call(**MID))
+    assert decision.row.key.regime == "short"
+    assert decision.stand_in == "standing in for the mid regime (longest 129-256; the table has no mid row here)"
+    assert decision.describe() == ("cost table costs_test.json (NVIDIA H100 80GB HBM3, 2026-01-02), row d=128 group 4 "
+                                   "short causal fwd+bwd, standing in for the mid regime (longest 129-256; the table "
+                                   "has no mid row here): fa4 1 ms, triton 1.2 ms")
+    assert dict(dispatch.reasons(call(**MID)))["triton"] == \
+        "1.2 ms vs fa4 1 ms in the cost table row d=128 group 4 short causal fwd+bwd"
+    use_table(row({"fa4": 1.0, "triton": 1.2}, regime="mid"))  # no reverse stand-in: short -> the rule
+    _, decision = dispatch.decide(call(max_seqlen_q=257, max_seqlen_kv=257))
+    assert decision.choice is None and decision.why.endswith("has no row for d=128 group 4 short causal fwd+bwd")
+    assert dispatch.decide(call(**MID))[1].stand_in == ""
+
+
+def test_a_mid_call_without_mid_or_short_row_goes_to_the_rule(hopper, use_table):
+    use_table(row({"fa4": 2.0, "triton": 1.0}, regime="tiny"), row({"fa4": 2.0, "triton": 1.0}, regime="mid",
+                                                                  mask="none"))
+    _, decision = dispatch.decide(call(**MID))
+    assert decision.choice is None and decision.why == (
+        "costs_test.json (NVIDIA H100 80GB HBM3, 2026-01-02) has no row for d=128 group 4 mid causal fwd+bwd (nor a "
+        "short row to stand in)")
+    assert dispatch.select(call(**MID)).name == "fa4"  # the rule (GQA: FA4 does not defer)
+
+
+def test_covering_takes_other_stand_ins():
+    """`costs.covering` with a what-if ``stand_ins`` (the replay's): mid ranked by the tiny row."""
+    loaded = costs.Table("sm90", META, tuple(costs.Row(costs._row_key(r, None), r["ms"]) for r in (
+        row({"triton": 1.0}, regime="tiny"), row({"fa4": 1.0}, regime="short"))), "t.json")
+    key = costs.Key(128, 128, 4, "mid", "causal", True)
+    assert costs.covering(loaded, key)[0].key.regime == "short"
+    found, note = costs.covering(loaded, key, {"mid": "tiny"})
+    assert found.key.regime == "tiny" and "standing in for the mid regime" in note
+    assert costs.covering(loaded, key, {})[0] is None
+
+
+def test_mid_rows_validate():
+    costs.validate(table_data(row({"triton": 1.0}, regime="mid"), row({"triton": 1.0}, regime="short")))
+    with pytest.raises(ValueError, match="appears twice"):
+        costs.validate(table_data(row({"triton": 1.0}, regime="mid"), row({"fa4": 1.0}, regime="mid")))

@@ -27,23 +27,27 @@ def test_tune_grid_covers_the_head_dims_groups_regimes_and_masks():
     keys = {s.key(True) for s in shapes}
     assert {(k.head_dim, k.head_dim_v) for k in keys} == {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
                                                           (192, 128), (128, 64)}
-    for d, dv in tune.DIMS:  # every head dim: groups 1 and 4, long, short and tiny, causal and none
+    assert len(shapes) == 126
+    for d, dv in tune.DIMS:  # every head dim: groups 1 and 4, every regime above small, causal and none
         for group in (1, 4):
-            for regime in ("long", "short", "tiny"):
+            for regime in ("long", "short", "mid", "tiny"):
                 for mask in ("causal", "none"):
                     assert costs.Key(d, dv, group, regime, mask, True) in keys, (d, dv, group, regime, mask)
     assert {k.head_dim for k in keys if k.mask == "window"} == {64, 128}
     assert {k.head_dim for k in keys if k.group == 8} == {64, 128}
-    assert {k.regime for k in keys} == {"long", "short", "tiny"}
+    assert {k.regime for k in keys} == {"long", "short", "mid", "tiny"}
     for s in shapes:
         if s.key(False).regime == "long":
             total = 16384 if max(s.head_dim, s.head_dim_v) >= 192 else 32768
             assert list(s.lengths) == doc_lengths(total, 0) and s.label == f"doc_lengths({total}, 0)"
         else:
-            assert set(s.lengths) in ({512}, {128}) and sum(s.lengths) == 32768
-    short = [s.label for s in shapes if s.key(True) == costs.Key(128, 128, 4, "short", "causal", True)]
-    tiny = [s.label for s in shapes if s.key(True) == costs.Key(128, 128, 4, "tiny", "causal", True)]
-    assert short == ["64x512"] and tiny == ["256x128"]  # a row per document length class
+            assert set(s.lengths) in ({512}, {256}, {128}) and sum(s.lengths) == 32768
+    labels = {regime: [s.label for s in shapes if s.key(True) == costs.Key(128, 128, 4, regime, "causal", True)]
+              for regime in ("short", "mid", "tiny")}
+    assert labels == {"short": ["64x512"], "mid": ["128x256"], "tiny": ["256x128"]}  # documents of each bound
+    for s in shapes:  # each regime measured at its longest length
+        if s.key(False).regime != "long":
+            assert max(s.lengths) == {"tiny": 128, "mid": 256, "short": 512}[s.key(False).regime]
 
 
 def test_check_sweep_has_30_rows_on_other_lengths():
@@ -53,7 +57,10 @@ def test_check_sweep_has_30_rows_on_other_lengths():
     assert not [s.name for s in shapes if tuple(s.lengths) in tuned]  # lengths the table never measured
     keys = [s.key(True) for s in shapes]
     assert {(k.head_dim, k.head_dim_v) for k in keys} == set(tune.DIMS)
-    assert {k.group for k in keys} == {1, 2, 4, 8} and {k.regime for k in keys} == {"long", "short", "tiny"}
+    assert {k.group for k in keys} == {1, 2, 4, 8} and {k.regime for k in keys} == {"long", "short", "mid", "tiny"}
+    names = {s.name for s in shapes}
+    assert {"s200 d64 g1 causal", "s200 d128 g8 causal", "s200 d256 g1 causal", "s200 d128v64 g4 none"} <= names
+    assert {"s300 d64 g1 causal", "s160 d96 g1 causal"} <= names  # the low ends of short and mid
     assert {k.mask for k in keys} == {"causal", "none", "window"}
 
 
@@ -212,7 +219,7 @@ def test_compile_first_runs_every_task_in_worker_processes(monkeypatch):
 def test_cli_tune(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         cli.main(["tune"])
-    assert info.value.code == 2 and "packattn tune needs --out FILE (or --check)" in capsys.readouterr().err
+    assert info.value.code == 2 and "packattn tune needs --out FILE (or --check" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["tune", "--out", str(tmp_path / "x.json")]) == 1
     assert cli.main(["tune", "--check"]) == 1

@@ -211,14 +211,16 @@ def test_cache_is_bounded():
 
 
 def test_params_bucket_and_describe():
-    lengths = (0, 1, 16, 17, 18, 128, 129, 512, 513, 100000)
-    assert [dispatch.Params.bucket(n) for n in lengths] == [0, 1, 16, 17, 17, 17, 129, 129, 513, 513]
+    lengths = (0, 1, 16, 17, 18, 128, 129, 256, 257, 512, 513, 100000)
+    assert [dispatch.Params.bucket(n) for n in lengths] == [0, 1, 16, 17, 17, 17, 129, 129, 257, 257, 513, 513]
+    assert params(max_seqlen_q=257, max_seqlen_kv=257).short_seqs  # mid and short: both short batches
     assert params(max_seqlen_q=17, max_seqlen_kv=17).short_seqs and params(max_seqlen_q=1, max_seqlen_kv=5).short_seqs
     assert not params(max_seqlen_q=513).short_seqs and not params(max_seqlen_kv=513).short_seqs
     assert hash(params()) == hash(params()) and params() == params()
     text = dispatch.describe(params(pad_between_seqs=True, return_lse=True, deterministic=True, dtype=torch.bfloat16))
     assert text == "varlen cpu bfloat16 heads 4/2 d=32, causal, padded, lse, deterministic, longest 17-128"
-    assert dispatch.describe(params(max_seqlen_q=129, max_seqlen_kv=129)).endswith("longest 129-512")
+    assert dispatch.describe(params(max_seqlen_q=129, max_seqlen_kv=129)).endswith("longest 129-256")
+    assert dispatch.describe(params(max_seqlen_q=257, max_seqlen_kv=129)).endswith("longest 257-512/129-256")
     text = dispatch.describe(params(max_seqlen_q=1, max_seqlen_kv=513, head_dim_v=64, requires_grad=True))
     assert text == "varlen cpu float32 heads 4/2 d=32/64, causal, grad, longest 1/>512"
 

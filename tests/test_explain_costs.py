@@ -76,3 +76,26 @@ def test_explain_with_the_committed_table(hopper, capsys):
     assert decided.startswith(f"decided by: cost table costs_sm90.json ({table.meta['device']}, {table.meta['date']}), "
                               "row d=128 group 4 long causal fwd+bwd: "), decided
     assert any(ln.startswith("      table:") for ln in lines)
+
+
+def test_explain_names_the_key_and_regime(hopper, use_table, capsys):
+    """The call's cost-table key with its length regime; a mid call the table has no mid row for is ranked by the
+    short row, and the decided-by line says it stands in."""
+    use_table(row({"fa4": 1.45, "triton": 1.53}, head_dim=64, group=1, regime="short"))
+    mha64 = ("--heads", "32/32", "--head-dim", "64", "--causal", "--device", "cuda")
+    code, lines = _explain(capsys, "--lengths", "163x200", *mha64)
+    assert code == 0 and "picks: fa4" in lines
+    assert "      cost-table key: d=64 group 1 mid causal fwd+bwd (length regime mid: longest 129-256)" in lines
+    assert ("decided by: cost table costs_test.json (NVIDIA H100 80GB HBM3, 2026-01-02), row d=64 group 1 short causal "
+            "fwd+bwd, standing in for the mid regime (longest 129-256; the table has no mid row here): fa4 1.45 ms, "
+            "triton 1.53 ms") in lines
+    use_table(row({"fa4": 1.45, "triton": 1.53}, head_dim=64, group=1, regime="short"),
+              row({"fa4": 1.8, "triton": 1.5}, head_dim=64, group=1, regime="mid"))
+    code, lines = _explain(capsys, "--lengths", "163x200", *mha64)
+    assert "picks: triton" in lines
+    decided = next(ln for ln in lines if ln.startswith("decided by: "))
+    assert "row d=64 group 1 mid causal fwd+bwd: triton 1.5 ms, fa4 1.8 ms" in decided and "standing in" not in decided
+    code, lines = _explain(capsys, "--lengths", "85x384", *mha64)
+    assert "      cost-table key: d=64 group 1 short causal fwd+bwd (length regime short: longest 257-512)" in lines
+    code, lines = _explain(capsys, "--lengths", "4x100", "--kind", "tree", "--device", "cpu")
+    assert "      cost-table key: none (tree calls are not in the table)" in lines

@@ -4,7 +4,9 @@ that ``backend="auto"`` ranks them by (`packattn.costs`; the packaged one is ``p
 The grid (`tune_grid`, in priority order, so that a run cut short by its budget keeps the most useful rows):
 head dims 64, 96, 128, 192, 256 and MLA 192/128, 128/64; GQA groups 4 and 1 (8 at d = 64 and 128, causal);
 the ``long`` regime (W1's lengths ``doc_lengths(32768, 0)``, 16384 tokens from d = 192 up), the ``short`` one
-(64 x 512 tokens) and the ``tiny`` one (256 x 128 tokens); masks causal and none, and a window at d = 64 and 128.
+(64 x 512 tokens), the ``mid`` one (128 x 256 tokens) and the ``tiny`` one (256 x 128 tokens): each regime of
+`costs.regime` on documents as long as it allows; masks causal and none, and a window at d = 64 and 128. 126
+shapes (about four minutes on an H100, compiles included).
 Each shape is timed forward (under ``torch.no_grad()``: what an inference call dispatches as) and forward +
 backward, bf16, on each backend of ``--backends`` that accepts it (`dispatch.reasons` for that backend; one
 that refuses is recorded with its reason) through `packattn.attention` with that backend named: what auto
@@ -50,6 +52,8 @@ from packattn.ops.runtime import support
 DEFAULT_BACKENDS = ("fa4", "triton", "torch_varlen")
 DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64))
 TIMING = {"warmup": 25, "rep": 50}  # ms per do_bench: short, for the budget; `--check` measures longer
+# a shape per length regime above small (`make_shape`): long, short, mid, tiny (documents of their bound)
+REGIME_SHAPES = ("long", "s512", "s256", "s128")
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,11 @@ def tune_grid() -> list[Shape]:
     out = []
     for group, mask in ((4, "causal"), (1, "causal"), (4, "none"), (1, "none")):
         for d, dv in DIMS:
-            out += [make_shape(r, d, dv, group, mask) for r in ("long", "s512", "s128")]
+            out += [make_shape(r, d, dv, group, mask) for r in REGIME_SHAPES]
     for d in (128, 64):
-        out += [make_shape(r, d, d, 4, "window") for r in ("long", "s512")]
+        out += [make_shape(r, d, d, 4, "window") for r in ("long", "s512", "s256")]
     for d in (128, 64):
-        out += [make_shape(r, d, d, 8, "causal") for r in ("long", "s512", "s128")]
+        out += [make_shape(r, d, d, 8, "causal") for r in REGIME_SHAPES]
     return out
 
 

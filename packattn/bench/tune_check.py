@@ -34,8 +34,9 @@ TOLERANCE = 1.05
 
 
 def check_grid() -> list:
-    """At least 30 (shape, pass) rows: 23 shapes x forward / forward+backward, none of the table's lengths (long:
-    ``doc_lengths(..., seed 1)``; short: documents of 384, 200 and 96 tokens)."""
+    """At least 30 (shape, pass) rows: 25 shapes x forward / forward+backward, none of the table's lengths (long:
+    ``doc_lengths(..., seed 1)``; short: documents of 384 and 300 tokens; mid: 200 and 160; tiny: 96), the
+    regimes' low ends included (300 and 160 tokens: furthest from the length their rows are measured at)."""
     out = [make_shape("long", d, dv, 4, "causal", seed=1) for d, dv in DIMS]
     out += [make_shape("s384", d, d, 4, "causal") for d in (64, 128, 256)]
     out += [make_shape("s200", 64, 64, 1, "causal"), make_shape("s200", 128, 128, 8, "causal"),
@@ -44,7 +45,8 @@ def check_grid() -> list:
             make_shape("long", 128, 128, 1, "none", seed=1), make_shape("long", 256, 256, 4, "none", seed=1),
             make_shape("long", 64, 64, 2, "causal", seed=1), make_shape("long", 128, 128, 4, "window", seed=1),
             make_shape("s384", 128, 128, 4, "window"), make_shape("s200", 128, 64, 4, "none"),
-            make_shape("long", 192, 192, 1, "causal", seed=1)]
+            make_shape("long", 192, 192, 1, "causal", seed=1), make_shape("s300", 64, 64, 1, "causal"),
+            make_shape("s160", 96, 96, 1, "causal")]
     return out
 
 
