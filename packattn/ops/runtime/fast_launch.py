@@ -89,6 +89,22 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     except _Unkeyable:
         kernel[grid](*args, **kwargs)
         return
+    _launch_cached(kernel, grid, args, kwargs, device, key)
+
+
+def launch_keyed(kernel, grid: tuple, args: tuple, kwargs: dict, key) -> None:
+    """`launch` with the caller's cache key instead of one computed from every argument (a launcher that
+    fixes its kernel's scalars and keyword arguments per call shape keys its launches by that shape and the
+    alignment of its tensors). Contract: equal ``key`` (hashable) means equal ``kwargs`` and equal `arg_key`
+    of every argument. Shares `launch`'s cache (its keys hold the keyword arguments where this one's hold "keyed")."""
+    if not enabled():
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    _launch_cached(kernel, grid, args, kwargs, device, (device, "keyed", key))
+
+
+def _launch_cached(kernel, grid: tuple, args: tuple, kwargs: dict, device: int, key) -> None:
     cache = _caches.get(kernel)
     if cache is None:
         cache = _caches[kernel] = {}
