@@ -11,12 +11,8 @@ import math
 
 import torch
 
-from packattn.ops.small_seq.op import (
-    MAX_KEYS,
-    dense_items,
-    kernel_unsupported,
-    small_seq_fwd_call,
-)
+from packattn.ops.small_seq.eager import small_seq_fwd_call
+from packattn.ops.small_seq.op import MAX_KEYS, dense_items, kernel_unsupported
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "small_seq", "reference")

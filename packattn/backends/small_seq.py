@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from packattn.backends.base import Problem
 from packattn.backends.triton_base import TritonBackend
-from packattn.ops.small_seq.op import (
-    MAX_KEYS,
-    item_table,
-    kernel_unsupported,
-    small_seq_fwd_call,
-)
+from packattn.ops.small_seq.eager import small_seq_fwd_call
+from packattn.ops.small_seq.op import MAX_KEYS, item_table, kernel_unsupported
 
 
 class SmallSeqBackend(TritonBackend):
@@ -38,5 +34,5 @@ class SmallSeqBackend(TritonBackend):
         seqs = problem.seqs
         out, lse = small_seq_fwd_call(
             problem.q, problem.k, problem.v, item_table(seqs), problem.scale,
-            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, 0)
+            seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None, 0, seqs)
         return out, (lse if problem.return_lse else None)

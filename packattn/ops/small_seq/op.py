@@ -86,12 +86,14 @@ def _smaller(config: configs.SmallSeqConfig) -> configs.SmallSeqConfig | None:
 
 
 def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: int, group: int,
-            dtype: torch.dtype, head_dim: int, extra: dict) -> None:
+            dtype: torch.dtype, head_dim: int, extra: dict) -> tuple | None:
     """Launch pass ``kind`` ("fwd" / "bwd") with its config (`_smaller` ones where it does not fit an SM):
     ``args`` are the tensors and strides, ``scalars`` the trailing ``(heads_kv, group, ...)`` arguments
-    (``heads_kv`` goes as constexpr ``HEAD_BLOCKS``: the stacked kernels take ``num_items`` there)."""
+    (``heads_kv`` goes as constexpr ``HEAD_BLOCKS``: the stacked kernels take ``num_items`` there).
+    Returns what `_launch_config` launched, ``(kernel, grid, args, kwargs)``, None when nothing launched
+    (`packattn.ops.small_seq.eager` repeats it for later calls of the same shape)."""
     if num_items == 0:
-        return
+        return None
     if interpreting():
         _fix_interpreter_loop_bounds()
     from triton.runtime.errors import OutOfResources
@@ -101,8 +103,7 @@ def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: in
     config = _shrunk.get(key, config)
     while True:
         try:
-            _launch_config(kind, config, args, scalars, num_items, heads_kv, group, dtype, head_dim, extra)
-            return
+            return _launch_config(kind, config, args, scalars, num_items, heads_kv, group, dtype, head_dim, extra)
         except OutOfResources as e:
             smaller = _smaller(config)
             if smaller is None:
@@ -112,7 +113,7 @@ def _launch(kind: str, args: tuple, scalars: tuple, num_items: int, heads_kv: in
 
 
 def _launch_config(kind: str, config: configs.SmallSeqConfig, args: tuple, scalars: tuple, num_items: int,
-                   heads_kv: int, group: int, dtype: torch.dtype, head_dim: int, extra: dict) -> None:
+                   heads_kv: int, group: int, dtype: torch.dtype, head_dim: int, extra: dict) -> tuple:
     from packattn.ops.small_seq import kernels_mma, kernels_stack
 
     bh = configs.block_h(config, heads_kv)
@@ -131,7 +132,9 @@ def _launch_config(kind: str, config: configs.SmallSeqConfig, args: tuple, scala
         num_units = num_items * head_blocks
         kwargs["BLOCK_H"] = bh
     grid = (-(-num_units // config.units),)
-    fast_launch.launch(kernel, grid, (*args, num_units, config.units, *scalars), kwargs)
+    args = (*args, num_units, config.units, *scalars)
+    fast_launch.launch(kernel, grid, args, kwargs)
+    return kernel, grid, args, kwargs
 
 
 def _small_seq_fwd(
@@ -140,18 +143,23 @@ def _small_seq_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``padded_q``: some query rows belong to no item (zeros / -inf there).
     ``padded_kv`` and ``kv_fill`` are only carried for the backward."""
+    return fwd_impl(q, k, v, (items[0], items[1], items[2]), items.shape[1], scale, padded_q)[:2]
+
+
+def fwd_impl(q, k, v, rows: tuple, num_items: int, scale: float, padded_q: bool):
+    """`_small_seq_fwd` on the item table's rows ``rows``: ``(out, lse, launched)`` (`_launch`'s result)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
     lse = torch.full((heads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device) if padded_q else \
         torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, items[0], items[1], items[2],
+    args = (q, k, v, out, lse, *rows,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0))
     group = heads_q // heads_kv
-    _launch("fwd", args, (heads_kv, group, scale * LOG2E), items.shape[1], heads_kv, group, q.dtype, head_dim, {})
-    return out, lse
+    launched = _launch("fwd", args, (heads_kv, group, scale * LOG2E), num_items, heads_kv, group, q.dtype, head_dim, {})
+    return out, lse, launched
 
 
 small_seq_fwd = torch.library.custom_op("packattn::small_seq_fwd", _small_seq_fwd, mutates_args=())
@@ -168,6 +176,13 @@ def _small_seq_bwd(
     items: torch.Tensor, scale: float, padded_q: bool, padded_kv: bool, kv_fill: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; ``dlse`` (or None): the gradient into lse."""
+    return bwd_impl(dout, dlse, q, k, v, (items[0], items[1], items[2]), items.shape[1], scale, padded_q, padded_kv,
+                    kv_fill)[:3]
+
+
+def bwd_impl(dout, dlse, q, k, v, rows: tuple, num_items: int, scale: float, padded_q: bool, padded_kv: bool,
+             kv_fill: int):
+    """`_small_seq_bwd` on the item table's rows ``rows``: ``(dq, dk, dv, launched)`` (`_launch`'s result)."""
     dout, q, k, v = (_last_dim_contiguous(x) for x in (dout, q, k, v))
     heads_q, head_dim = q.shape[1], q.shape[2]
     heads_kv = k.shape[1]
@@ -176,14 +191,14 @@ def _small_seq_bwd(
     dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
     dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
     dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
-    args = (q, k, v, dout, dlse, dq, dk, dv, items[0], items[1], items[2],
+    args = (q, k, v, dout, dlse, dq, dk, dv, *rows,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dlse.stride(0),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     group = heads_q // heads_kv
-    _launch("bwd", args, (heads_kv, group, scale, scale * LOG2E, kv_fill), items.shape[1], heads_kv, group,
-            q.dtype, head_dim, {"HAS_DLSE": has_dlse})
-    return dq, dk, dv
+    launched = _launch("bwd", args, (heads_kv, group, scale, scale * LOG2E, kv_fill), num_items, heads_kv, group,
+                       q.dtype, head_dim, {"HAS_DLSE": has_dlse})
+    return dq, dk, dv, launched
 
 
 small_seq_bwd = torch.library.custom_op("packattn::small_seq_bwd", _small_seq_bwd, mutates_args=())
