@@ -121,7 +121,7 @@ def test_override_and_misalignment(launches):
         attend(q, k, v, seqs)
     assert [(x[0], x[4]["num_warps"]) for x in launches] == [("launch", 8), ("keyed", 8)]
     launches.clear()
-    flat = torch.empty(q.numel() + 1, dtype=q.dtype)[1:]
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:]
     q2 = flat.view(q.shape).copy_(q)
     attend(q2, k, v, seqs)
     attend(q2, k, v, seqs)
