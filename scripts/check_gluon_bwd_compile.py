@@ -20,7 +20,8 @@ dtype, and check what matters before a GPU run:
 The configurations are those of `packattn.ops.varlen.configs` (`dkdv_config`, `dq_config`; ``--short``: the
 short-batch dQ; the tree dQ: `packattn.ops.tree.configs.TREE_DQ_CONFIGS`) unless ``--config``
 (``block_m,block_n,stages,num_warps``). Variants without a Gluon kernel (a head dim without a config, where the
-Triton pass runs) are reported as skipped.
+Triton pass runs) are reported as skipped; a ``key_split`` dK/dV config (the tables' at d = 256) is checked on the
+key-split kernel (scripts/check_gluon_ksplit_compile.py).
 """
 
 from __future__ import annotations
@@ -134,8 +135,6 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg,
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       HAS_LEFT="L" in mask, HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask,
                       TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-    if fn is varlen_bwd_dkdv_gluon_ws_kernel:  # as `gluon_dkdv` passes it
-        constexprs.update(SPLIT_D=configs.dkdv_splits_head_dim(cfg))
     if fn is varlen_bwd_dq_gluon_ws_kernel:
         constexprs.update(DELTA_FROM_O=delta_from_o)
         if not delta_from_o:
@@ -198,6 +197,19 @@ def _parse_dims(text: str):
     return d if d == dv and d & (d - 1) == 0 else (d, dv)
 
 
+def _check_ksplit(dtype_name: str, head_dim: int, cfg, args) -> int:
+    """Check the key-split dK/dV variants of a ``key_split`` config (`check_gluon_ksplit_compile.check`); returns
+    the failures."""
+    import check_gluon_ksplit_compile as ksplit
+
+    failures = 0
+    for mask in ["tree"] if args.tree else args.masks:
+        ok, text, _row = ksplit.check(dtype_name, head_dim, mask, cfg.stages, args.tree)
+        failures += not ok
+        print(text, flush=True)
+    return failures
+
+
 def _check_parts(kernel: str, dtype_name: str, dims, args, config) -> int:
     """Check the part kernel variants of ``dims`` (`check_gluon_bwd_parts_compile.check`); returns the failures."""
     import check_gluon_bwd_parts_compile as parts
@@ -239,6 +251,10 @@ def main() -> int:
             for head_dim in args.head_dims:
                 if not isinstance(head_dim, int):  # the part kernels (scripts/check_gluon_bwd_parts_compile.py)
                     failures += _check_parts(kernel, dtype_name, head_dim, args, config)
+                    continue
+                tables_cfg = None if config else default_config(kernel, head_dim, args.tree, args.short)
+                if kernel == "dkdv" and not args.delta_from_o and tables_cfg is not None and tables_cfg.key_split:
+                    failures += _check_ksplit(dtype_name, head_dim, tables_cfg, args)
                     continue
                 for mask in [""] if args.tree else args.masks:
                     mask_name = "tree" if args.tree else mask

@@ -8,7 +8,8 @@ budgets, and the overlap (the main loop waits with wgmma groups pending while ``
     python scripts/check_gluon_bwd_parts_compile.py --tree                 # dK/dV with the tree mask
 
 `PROPOSED` holds the configs the GPU script (scripts/gluon_bwd_dims_gpu.py) enables with `configs.override`; the
-dQ compiles with DELTA_FROM_O (as `op.fuses_delta` runs it) unless ``--no-delta``.
+dQ compiles with DELTA_FROM_O (as `op.fuses_delta` runs it) unless ``--no-delta``. A ``key_split`` dK/dV config (the
+table's at d = 192) is checked on the key-split kernel (scripts/check_gluon_ksplit_compile.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from packattn.ops.runtime.sm90 import ws_split  # noqa: E402
-from packattn.ops.varlen.configs import dkdv_splits_head_dim  # noqa: E402
 from packattn.ops.varlen.fwd_sm90_parts import part_hi  # noqa: E402
 from packattn.ops.varlen.launch_sm90_bwd_parts import dkdv_parts_resources, dq_parts_resources  # noqa: E402
 
@@ -60,12 +60,11 @@ def compile_part_variant(kernel: str, dtype_name: str, dims, mask: str, cfg, tre
     """``triton.compile`` of one part kernel variant as `launch_sm90_bwd_parts` launches it; returns
     ``(compiled, resources)``."""
     d, dv = dims
-    dtype = DTYPES[dtype_name]
     if kernel == "dkdv":
         from packattn.ops.varlen.bwd_dkdv_sm90_parts import varlen_bwd_dkdv_parts_kernel
 
         fn, res = varlen_bwd_dkdv_parts_kernel, dkdv_parts_resources(cfg, d, dv)
-        extra = dict(TREE=tree, SPLIT_D=dkdv_splits_head_dim(cfg))
+        extra = dict(TREE=tree)
     else:
         from packattn.ops.varlen.bwd_dq_sm90_parts import varlen_bwd_dq_parts_kernel
 
@@ -77,17 +76,23 @@ def compile_part_variant(kernel: str, dtype_name: str, dims, mask: str, cfg, tre
     blocks = descriptor_blocks(dims, cfg)
     if kernel == "dq" and not delta_from_o:
         blocks["o_desc"] = blocks["o_lo_desc"] = None
-    constexprs.update({n: None for n, b in blocks.items() if b is None and n in fn.arg_names})
+    return compile_in_parts(fn, dtype_name, blocks, constexprs, res["maxnreg"]), res
+
+
+def compile_in_parts(fn, dtype_name: str, blocks: dict, constexprs: dict, maxnreg: int):
+    """``triton.compile`` for sm_90a of a kernel taking descriptors in column parts, as the launchers launch it
+    (``num_warps`` 4, ``maxnreg``): ``constexprs``, each descriptor argument of ``blocks`` with its own TMA block
+    (None: a part the dims lack, passed as a None constexpr), the other arguments typed by
+    `ptx_identity.kernel_signature`, the aligned ones (`ALIGNED`) with ``tt.divisibility`` 16."""
+    constexprs = dict(constexprs, **{n: None for n, b in blocks.items() if b is None and n in fn.arg_names})
     signature = kernel_signature(fn, constexprs, None, None, "*" + dtype_name, INT_POINTERS)
-    # each descriptor its own block (those of a part the dims lack are None constexprs)
-    signature.update({name: _descriptor_type(dtype, block) for name, block in blocks.items()
+    signature.update({name: _descriptor_type(DTYPES[dtype_name], block) for name, block in blocks.items()
                       if name in signature and name not in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
-    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
-    compiled = triton.compile(GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    return compiled, res
+    options = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg}
+    return triton.compile(GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def overlap(compiled) -> tuple[bool, str]:
@@ -107,7 +112,13 @@ def overlap(compiled) -> tuple[bool, str]:
 
 
 def check(kernel, dtype_name, dims, mask_name, cfg, tree, delta_from_o) -> tuple[bool, str]:
-    """Compile one variant and judge it: ``(ok, report lines)``."""
+    """Compile one variant and judge it: ``(ok, report lines)``; a ``key_split`` dK/dV config on the key-split
+    kernel (`check_gluon_ksplit_compile.check`, d_v = d)."""
+    if kernel == "dkdv" and cfg.key_split:
+        import check_gluon_ksplit_compile
+
+        ok, text, _row = check_gluon_ksplit_compile.check(dtype_name, dims[0], mask_name, cfg.stages, tree)
+        return ok, text
     label = f"{kernel:4s} {dtype_name} d={dims_label(dims):7s} mask={mask_name or '-':4s}"
     try:
         compiled, res = compile_part_variant(kernel, dtype_name, dims, "" if tree else mask_name, cfg, tree,

@@ -3,12 +3,11 @@ without a GPU, under every mask and the tree mask, and check registers / spills,
 formula, `launch_sm90_ksplit.ksplit_shared_bytes`), ptxas warnings, the partitions' setmaxnreg budgets and the
 overlap (the main loop waits with a wgmma group pending while ``ex2`` runs).
 
-    python scripts/check_gluon_ksplit_compile.py                           # 192, 256 x bf16, fp16 x masks + tree
+    python scripts/check_gluon_ksplit_compile.py                           # 256, 192 x bf16, fp16 x masks + tree
     python scripts/check_gluon_ksplit_compile.py --dims 256 --dtypes bf16 --masks R --stages 2 3
-    python scripts/check_gluon_ksplit_compile.py --dims 192:128 --no-tree  # MLA
     python scripts/check_gluon_ksplit_compile.py --ptx-dir /tmp/ksplit_old  # normalised PTX only, one file a variant
 
-Prints one block per variant and a summary table (registers, spills, shared memory per dims / stages / dtype).
+Prints one block per variant and a summary table (registers, spills, shared memory per head dim / stages / dtype).
 """
 
 from __future__ import annotations
@@ -19,73 +18,49 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import triton
-from check_gluon_bwd_compile import (
-    ALIGNED,
-    DTYPES,
-    INT_POINTERS,
-    MASKS,
-    SHARED_LIMIT,
-    _descriptor_type,
-    _root_cause,
-)
-from check_gluon_bwd_parts_compile import descriptor_blocks, dims_label, overlap, report_tail
-from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions
-from ptx_identity import kernel_signature
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from check_gluon_bwd_compile import DTYPES, MASKS, SHARED_LIMIT, _root_cause
+from check_gluon_bwd_parts_compile import compile_in_parts, descriptor_blocks, overlap, report_tail
+from check_gluon_compile import ptxas_report, sass_register_regions
 
 from packattn.ops.runtime.sm90 import ws_split
 from packattn.ops.varlen.configs import GluonBwdConfig
-from packattn.ops.varlen.launch_sm90_ksplit import ksplit_resources, ksplit_shared_bytes
+from packattn.ops.varlen.launch_sm90_ksplit import KSPLIT_HEAD_DIMS, ksplit_resources, ksplit_shared_bytes
 
-DEFAULT_DIMS = [(256, 256), (192, 192)]
 FORMULA_SLACK = 1024  # bytes the compiled kernel may use beyond `ksplit_shared_bytes`
-# stages per dims the sweep compiles (3 slots of 64 x 256 Q and dO do not fit next to K / V and the exchange)
-STAGES = {(256, 256): (2, ), (192, 192): (2, 3), (192, 128): (2, 3)}
+# stages per head dim the sweep compiles (3 slots of 64 x 256 Q and dO do not fit next to K / V and the exchange)
+STAGES = {256: (2, ), 192: (2, 3)}
 
 
 def ksplit_config(stages: int) -> GluonBwdConfig:
     """The key-split kernel's config with ``stages`` ring slots (blocks are fixed: 64 keys, 64 queries, 8 warps)."""
-    return GluonBwdConfig(64, 64, stages, 8)
+    return GluonBwdConfig(64, 64, stages, 8, key_split=True)
 
 
-def compile_ksplit(dtype_name: str, dims, mask: str, stages: int, tree: bool = False):
+def compile_ksplit(dtype_name: str, head_dim: int, mask: str, stages: int, tree: bool = False):
     """``triton.compile`` of one variant as `launch_sm90_ksplit.gluon_dkdv_ksplit` launches it; returns ``(compiled,
     resources)``."""
     from packattn.ops.varlen.bwd_dkdv_sm90_ksplit import (
         varlen_bwd_dkdv_ksplit_kernel as fn,
     )
 
-    d, dv = dims
     cfg = ksplit_config(stages)
-    res = ksplit_resources(cfg, d, dv)
-    dtype = DTYPES[dtype_name]
-    constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=64, BLOCK_N=64, STAGES=stages, HAS_LEFT="L" in mask,
+    res = ksplit_resources(cfg, head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_N=64, STAGES=stages, HAS_LEFT="L" in mask,
                       HAS_RIGHT="R" in mask, HAS_CHUNK="C" in mask, TOP_LEFT="T" in mask, TREE=tree,
                       CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4)
-    blocks = {n: b for n, b in descriptor_blocks(dims, cfg).items() if n in fn.arg_names}
-    constexprs.update({n: None for n, b in blocks.items() if b is None})
-    signature = kernel_signature(fn, constexprs, None, None, "*" + dtype_name, INT_POINTERS)
-    signature.update({name: _descriptor_type(dtype, block) for name, block in blocks.items()
-                      if name not in constexprs})  # each descriptor its own block
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
-    constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
-    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
-    compiled = triton.compile(GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    return compiled, res
+    blocks = {n: b for n, b in descriptor_blocks((head_dim, head_dim), cfg).items() if n in fn.arg_names}
+    return compile_in_parts(fn, dtype_name, blocks, constexprs, res["maxnreg"]), res
 
 
-def check(dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str, dict]:
+def check(dtype_name, head_dim, mask_name, stages, tree) -> tuple[bool, str, dict]:
     """Compile one variant and judge it: ``(ok, report lines, summary row)``."""
-    label = f"ksplit {dtype_name} d={dims_label(dims):7s} x{stages} mask={mask_name or '-':4s}"
+    label = f"ksplit {dtype_name} d={head_dim:<7d} x{stages} mask={mask_name or '-':4s}"
     try:
-        compiled, res = compile_ksplit(dtype_name, dims, "" if tree else mask_name, stages, tree)
+        compiled, res = compile_ksplit(dtype_name, head_dim, "" if tree else mask_name, stages, tree)
     except Exception as e:  # report and go on
         return False, f"{label}: FAILED {type(e).__name__}: {str(e)[-600:]}\n    cause: {_root_cause(e)}", {}
     shared = compiled.metadata.shared
-    formula = ksplit_shared_bytes(ksplit_config(stages), *dims)
+    formula = ksplit_shared_bytes(ksplit_config(stages), head_dim)
     usage, warnings = ptxas_report(compiled.asm["ptx"])
     warnings = [w for w in warnings if "Too many maxnreg" not in w]  # maxnreg 256 capped at 255 (as on main)
     ok, detail = overlap(compiled)
@@ -104,19 +79,19 @@ def check(dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str, dict]:
              f"    overlap {'OK' if ok else 'MISSING'}: {detail}"]
     lines += report_tail(regions, over, warnings)
     regs = max((used for _lim, used, _n in regions), default=-1)
-    row = dict(dims=dims_label(dims), stages=stages, dtype=dtype_name, mask=mask_name or "-", shared=shared,
+    row = dict(dims=str(head_dim), stages=stages, dtype=dtype_name, mask=mask_name or "-", shared=shared,
                regs=regs, spills=nspill, ok=not bad)
     return not bad, "\n".join(lines), row
 
 
-def dump_ptx(ptx_dir: str, dtype_name, dims, mask_name, stages, tree) -> tuple[bool, str]:
+def dump_ptx(ptx_dir: str, dtype_name, head_dim, mask_name, stages, tree) -> tuple[bool, str]:
     """Compile one variant and write its PTX, normalised as `ptx_identity.normalise` does (no line info), to
     ``ptx_dir``; no judging. Returns ``(ok, report line)``."""
     from ptx_identity import normalise
 
-    name = f"ksplit_{dtype_name}_d{dims_label(dims).strip()}_x{stages}_{mask_name or 'none'}.ptx".replace(":", "-")
+    name = f"ksplit_{dtype_name}_d{head_dim}_x{stages}_{mask_name or 'none'}.ptx"
     try:
-        compiled, _res = compile_ksplit(dtype_name, dims, "" if tree else mask_name, stages, tree)
+        compiled, _res = compile_ksplit(dtype_name, head_dim, "" if tree else mask_name, stages, tree)
     except Exception as e:  # report and go on
         return False, f"{name}: FAILED {type(e).__name__}: {str(e)[-300:]}"
     with open(os.path.join(ptx_dir, name), "w") as f:
@@ -125,11 +100,12 @@ def dump_ptx(ptx_dir: str, dtype_name, dims, mask_name, stages, tree) -> tuple[b
 
 
 def summary(rows: list[dict]) -> str:
-    """One line per (dims, stages, dtype): the masks compiled, max registers used by a partition, spills, shared."""
+    """One line per (head dim, stages, dtype): the masks compiled, max registers used by a partition, spills,
+    shared."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["dims"], r["stages"], r["dtype"]), []).append(r)
-    out = ["dims     stages dtype variants  max_regs  spill_B  shared_B  all_ok"]
+    out = ["d        stages dtype variants  max_regs  spill_B  shared_B  all_ok"]
     for (dims, stages, dtype), rs in groups.items():
         out.append(f"{dims:8s} {stages:6d} {dtype:5s} {len(rs):8d} {max(r['regs'] for r in rs):9d} "
                    f"{max(r['spills'] for r in rs):8d} {max(r['shared'] for r in rs):9d}  "
@@ -140,25 +116,26 @@ def summary(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=sorted(DTYPES))
-    parser.add_argument("--dims", nargs="+", type=parse_dims, default=DEFAULT_DIMS)
+    parser.add_argument("--dims", nargs="+", type=int, default=sorted(KSPLIT_HEAD_DIMS, reverse=True),
+                        choices=KSPLIT_HEAD_DIMS, help="head dims (d_v = d)")
     parser.add_argument("--masks", nargs="+", default=MASKS)
-    parser.add_argument("--stages", nargs="+", type=int, default=None, help="instead of STAGES[dims]")
+    parser.add_argument("--stages", nargs="+", type=int, default=None, help="instead of STAGES[d]")
     parser.add_argument("--no-tree", action="store_true", help="skip the tree-mask variants")
     parser.add_argument("--ptx-dir", default=None, help="only write each variant's normalised PTX here")
     args = parser.parse_args()
     if args.ptx_dir:
         os.makedirs(args.ptx_dir, exist_ok=True)
     failures, rows = 0, []
-    for dims in args.dims:
-        for stages in args.stages or STAGES.get(dims, (2, )):
+    for d in args.dims:
+        for stages in args.stages or STAGES[d]:
             for dtype_name in args.dtypes:
                 for mask in args.masks + ([] if args.no_tree else ["tree"]):
                     if args.ptx_dir:
-                        ok, text = dump_ptx(args.ptx_dir, dtype_name, dims, mask, stages, mask == "tree")
+                        ok, text = dump_ptx(args.ptx_dir, dtype_name, d, mask, stages, mask == "tree")
                         failures += not ok
                         print(text, flush=True)
                         continue
-                    ok, text, row = check(dtype_name, dims, mask, stages, mask == "tree")
+                    ok, text, row = check(dtype_name, d, mask, stages, mask == "tree")
                     failures += not ok
                     rows += [row] if row else []
                     print(text, flush=True)

@@ -1,7 +1,8 @@
 """GPU check of the warp-specialised Gluon backward at head dims in column parts and with a value head dim of its own
 (`packattn.ops.varlen.bwd_dkdv_sm90_parts`, `bwd_dq_sm90_parts`): d = 96, 192, MLA 192/128 and 128/64.
 
-The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the part kernels; the script checks:
+The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the part kernels (dK/dV at d = 192: the
+key-split kernel, `bwd_dkdv_sm90_ksplit`, also checked by scripts/ksplit_gpu.py); the script checks:
 
 * the plan: `op.bwd_plan` picks the Gluon passes and `op.fuses_delta` (the dQ computes delta);
 * correctness: `packattn.attention` forward + backward against the float32 reference (tests/gpu
@@ -10,8 +11,8 @@ The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the
   sequences; bf16: causal, top-left causal with a window, a chunk, a two-sided window, no mask at GQA 32/8, and
   causal at MHA 8/8; fp16: causal at GQA;
 * determinism: the ``deterministic=True`` backward run twice on W1-style lengths is bitwise the same;
-* a tree (``backend="triton_tree"``, whose dK/dV follows the varlen plan: the part kernel's ``TREE`` branch) at
-  96 and 192 against the float32 reference (the tree kernels refuse MLA);
+* a tree (``backend="triton_tree"``, whose dK/dV follows the varlen plan: the ``TREE`` branch of the part kernel at
+  96, of the key-split kernel at 192) against the float32 reference (the tree kernels refuse MLA);
 * timing: forward + backward on W1-style lengths (`doc_lengths(32768, 0)`, 16384 tokens for d >= 192), heads
   16/4, bf16, causal, with the tables (Gluon backward) and under `triton_bwd_tables` (the Triton backward; the
   forward is Gluon in both), median of do_bench timings, TF/s on useful FLOPs (``2 (d + d_v) * 3.5`` per visible
@@ -94,44 +95,51 @@ def plan_line(dims) -> tuple[bool, str]:
                 f"fuses_delta {op.fuses_delta(plan, None)}")
 
 
-def correctness(all_dims) -> int:
+def correctness(all_dims, masks=MASKS, alternatives=ALTERNATIVES, plan=plan_line) -> int:
+    """Per dims: the ``plan`` line, then the tables' configs against the reference (bf16 GQA 32/8 under each of
+    ``masks``, name -> mask keywords with a ``"causal"``; causal at MHA 8/8 and fp16 GQA) and each ``alternatives``
+    ``(pass, config)`` of ``key(dims)`` (bf16 GQA causal, under ``configs.override``); the count of failures."""
     from tests.gpu.test_triton_varlen_gpu import check_against_reference
 
     seqs = Varlen.from_lengths(NASTY_Q, NASTY_KV, pad_to_multiple=16, device="cuda")
     bad = 0
     for dims in all_dims:
-        ok, text = plan_line(dims)
+        ok, text = plan(dims)
         bad += not ok
         print(text, flush=True)
-        cases = [(torch.bfloat16, (32, 8), m) for m in MASKS] + [(torch.bfloat16, (8, 8), "causal"),
-                                                                 (torch.float16, (32, 8), "causal")]
-        for dtype, heads, mask in cases:
-            label = f"d={dims[0]}/{dims[1]:<4d} {str(dtype)[6:]:8s} {heads[0]}/{heads[1]:<2d} {mask:9s}"
-            try:
-                check_against_reference(*make_inputs(seqs, heads, dims, dtype), seqs, **MASKS[mask])
-                print(f"ok   {label}", flush=True)
-            except AssertionError as e:
-                bad += 1
-                print(f"FAIL {label}: {str(e)[:300]}", flush=True)
-        for name, cfg in ALTERNATIVES.get(key(dims), []):
-            label = f"d={dims[0]}/{dims[1]:<4d} {name} {_cfg(cfg)} bfloat16 32/8 causal"
-            try:
-                with configs.override(**{name: cfg}):
-                    check_against_reference(*make_inputs(seqs, (32, 8), dims), seqs, causal=True)
-                print(f"ok   {label}", flush=True)
-            except AssertionError as e:
-                bad += 1
-                print(f"FAIL {label}: {str(e)[:300]}", flush=True)
+        cases = [(torch.bfloat16, (32, 8), m, {}) for m in masks] + [(torch.bfloat16, (8, 8), "causal", {}),
+                                                                     (torch.float16, (32, 8), "causal", {})]
+        cases += [(torch.bfloat16, (32, 8), "causal", {name: cfg}) for name, cfg in alternatives.get(key(dims), [])]
+        for dtype, heads, mask, forced in cases:
+            which = " ".join(f"{name} {_cfg(cfg)}" for name, cfg in forced.items()) or "tables"
+            label = f"d={dims[0]}/{dims[1]:<4d} {which:18s} {str(dtype)[6:]:8s} {heads[0]}/{heads[1]:<2d} {mask}"
+
+            def run(dtype=dtype, heads=heads, mask=mask, forced=forced, dims=dims):
+                with configs.override(**forced):
+                    check_against_reference(*make_inputs(seqs, heads, dims, dtype), seqs, **masks[mask])
+
+            bad += _case(label, run)
     return bad
 
 
+def _case(label: str, fn) -> int:
+    """Run one check; print ok / FAIL; return the failures (0 or 1)."""
+    try:
+        fn()
+        print(f"ok   {label}", flush=True)
+        return 0
+    except Exception as e:  # an assertion, or a launch that raised: report and go on
+        print(f"FAIL {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return 1
+
+
 def _cfg(cfg) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}w{cfg.num_warps}"
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}w{cfg.num_warps}{' ksplit' if cfg.key_split else ''}"
 
 
 def tree_check(dims) -> tuple[bool, str]:
-    """A packed trie (GRPO-style) through ``backend="triton_tree"``: its dK/dV is the varlen plan's (here the part
-    kernel's ``TREE`` branch), against the float32 reference."""
+    """A packed trie (GRPO-style) through ``backend="triton_tree"``: its dK/dV is the varlen plan's (the ``TREE``
+    branch of the tables' dK/dV kernel at ``dims``), against the float32 reference."""
     from packattn.bench.workloads import grpo_sequences
     from packattn.tree import Tree
     from tests.gpu.test_triton_varlen_gpu import rel_l2

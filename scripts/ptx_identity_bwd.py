@@ -7,12 +7,15 @@ and in this one, each with its own ``packattn``, both through this checkout's co
 descriptors and registers the launchers pass):
 
 * ``plain``: dK/dV at every config of `configs.DKDV_CONFIGS` / `DKDV_GQA_CONFIGS` with a power-of-two head dim
-  (one consumer, two, SPLIT_D), under every mask and the tree mask; dQ at every config of `DQ_CONFIGS` /
+  (one consumer, two), under every mask and the tree mask; dQ at every config of `DQ_CONFIGS` /
   `DQ_SHORT_CONFIGS` (one / two consumers, with and without carried dS), every mask, with and without
   DELTA_FROM_O; the tree dQ at `tree.configs.TREE_DQ_CONFIGS`; bf16 and fp16;
 * ``parts``: the part kernels at `check_gluon_bwd_parts_compile.PROPOSED`, every mask, the dQ with DELTA_FROM_O,
-  dK/dV with the tree mask (the 168 variants of that script), bf16 and fp16;
+  dK/dV with the tree mask, bf16 and fp16;
 * ``parts-nodelta``: the part dQ without DELTA_FROM_O.
+
+The ``key_split`` dK/dV configs (d = 192 / 256) run the key-split kernel, not these: its PTX comes from
+``scripts/check_gluon_ksplit_compile.py --ptx-dir DIR`` (run in each checkout, then ``diff -r``).
 
 PTX is normalised as `ptx_identity.normalise` does (no line info, debug sections, comments or function names).
 Prints ``variant | same/DIFF``; exit status 1 on any DIFF or failed compile. Normalised PTX is left in ``--keep``
@@ -51,7 +54,8 @@ def variants(groups=GROUPS, match: str = "") -> list[dict]:
     from packattn.ops.varlen import configs
 
     def plain(table):
-        return sorted({(d, _tup(c)) for d, c in table.items() if isinstance(d, int) and d & (d - 1) == 0})
+        return sorted({(d, _tup(c)) for d, c in table.items()
+                       if isinstance(d, int) and d & (d - 1) == 0 and not c.key_split})
 
     def row(group, label, *args):
         return {"group": group, "label": label, "args": args}
@@ -69,7 +73,7 @@ def variants(groups=GROUPS, match: str = "") -> list[dict]:
         out += [row("plain", f"tree dq {dt} d={d} {cfg}", "dq", dt, d, "", cfg, True, False)
                 for d, cfg in plain(TREE_DQ_CONFIGS)]
         for dims, (dkdv_cfg, dq_cfg) in PROPOSED.items():
-            for kernel, cfg in (("dkdv", _tup(dkdv_cfg)), ("dq", _tup(dq_cfg))):
+            for kernel, cfg in [("dkdv", _tup(dkdv_cfg))] * (not dkdv_cfg.key_split) + [("dq", _tup(dq_cfg))]:
                 for mask in [*MASKS] + (["tree"] if kernel == "dkdv" else []):
                     name = f"parts {kernel} {dt} d={dims_label(dims)} {cfg} mask={mask or '-'}"
                     out.append(row("parts", name + (" delta" if kernel == "dq" else ""), kernel, dt, dims,

@@ -1,6 +1,6 @@
 """The Gluon backward at head dims in two column parts (96, 192) and with a value head dim of its own (MLA 192/128,
-128/64), without a GPU: the tables run them on the part kernels (and scripts/gluon_bwd_dims_gpu.py's baseline tables
-take them off again), the plan names MLA configs by ``(d, d_v)``, the launchers hand these dims to
+128/64), without a GPU: the tables run them on the part kernels (dK/dV at 192: the key-split kernel,
+tests/test_gluon_ksplit.py; scripts/gluon_bwd_dims_gpu.py's baseline tables take them off again), the plan names MLA configs by ``(d, d_v)``, the launchers hand these dims to
 the part kernels with the right descriptors and constexprs (a recording kernel), shared memory fits, and (in a
 subprocess, for sm_90a) the part kernels compile without spills with the overlap in place."""
 
@@ -16,13 +16,14 @@ from sm90_compile import compile_check
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
-from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts, op
+from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts, launch_sm90_ksplit, op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from gluon_bwd_dims_gpu import DKDV, DQ, triton_bwd_tables  # noqa: E402
 
 DIMS = [(96, 96), (192, 192), (192, 128), (128, 64)]
+PART_DKDV_DIMS = [dims for dims in DIMS if not DKDV[dims[0] if dims[0] == dims[1] else dims].key_split]
 
 
 def _key(dims):
@@ -54,14 +55,17 @@ def test_bwd_plan_names_mla_configs_by_both_head_dims(monkeypatch):
 def test_shared_memory_fits_and_the_counts_add_up(dims):
     d, dv = dims
     dkdv, dq = DKDV[_key(dims)], DQ[_key(dims)]
-    consumers = dkdv.block_n // 64 + configs.dkdv_splits_head_dim(dkdv)
+    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) == (
+        (dq.block_m * (d + 2 * dv) + dq.stages * dq.block_n * (d + dv)) * 2 + 8 * (dq.block_m // 64 + 2 * dq.stages))
+    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) <= 227 * 1024
+    if dkdv.key_split:  # its formula and limit: tests/test_gluon_ksplit.py
+        assert launch_sm90_ksplit.ksplit_resources(dkdv, d, dv)["ctas_per_sm"] == 1
+        return
+    consumers = dkdv.block_n // 64
     assert launch_sm90_bwd_parts.dkdv_parts_shared_bytes(dkdv, d, dv) == (
         (dkdv.block_n + dkdv.stages * dkdv.block_m) * (d + dv) * 2
         + 4 * (2 * dkdv.stages * dkdv.block_m + consumers * dkdv.block_m) + 8 * (consumers + 2 * dkdv.stages))
-    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) == (
-        (dq.block_m * (d + 2 * dv) + dq.stages * dq.block_n * (d + dv)) * 2 + 8 * (dq.block_m // 64 + 2 * dq.stages))
     assert launch_sm90_bwd_parts.dkdv_parts_shared_bytes(dkdv, d, dv) <= 227 * 1024
-    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) <= 227 * 1024
     res = launch_sm90_bwd_parts.dkdv_parts_resources(dkdv, d, dv)
     assert res["producer_regs"] == launch_sm90_bwd_parts.PARTS_PRODUCER_REGS and res["consumer_regs"] >= 232
 
@@ -69,8 +73,6 @@ def test_shared_memory_fits_and_the_counts_add_up(dims):
 def test_only_the_new_dims_take_the_part_kernels():
     assert not any(launch_sm90_bwd_parts.in_parts(d, d) for d in (64, 128, 256))
     assert all(launch_sm90_bwd_parts.in_parts(*dims) for dims in DIMS)
-    with pytest.raises(ValueError, match="one"):  # SPLIT_D needs a second column part
-        launch_sm90_bwd_parts.dkdv_parts_resources(configs.GluonBwdConfig(32, 64, 3, 8), 128, 64)
 
 
 class _Recording:
@@ -96,11 +98,12 @@ def _check_parts(descs, names_rows_dims):
         assert (lo is None) == (hi == dim) and (lo is None or lo.block_shape == [rows, dim - hi])
 
 
-@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("dims", PART_DKDV_DIMS)
 @pytest.mark.parametrize("tree", [False, True], ids=["varlen", "tree"])
 def test_dkdv_launch_passes_the_parts(dims, tree, monkeypatch):
     from packattn.ops.varlen import bwd_dkdv_sm90_parts
 
+    arg_names = bwd_dkdv_sm90_parts.varlen_bwd_dkdv_parts_kernel.arg_names
     kernel = _Recording()
     monkeypatch.setattr(bwd_dkdv_sm90_parts, "varlen_bwd_dkdv_parts_kernel", kernel)
     cfg = DKDV[_key(dims)]
@@ -116,7 +119,8 @@ def test_dkdv_launch_passes_the_parts(dims, tree, monkeypatch):
                             (cfg.block_m, dims[1])])
     assert args[10] is dk and args[11] is dv and (args[17] is key_end if tree else True)
     assert kwargs["HEAD_DIM"] == dims[0] and kwargs["HEAD_DIM_V"] == dims[1] and kwargs["TREE"] == tree
-    assert kwargs["SPLIT_D"] == configs.dkdv_splits_head_dim(cfg)
+    # every argument and constexpr is one the kernel takes, each once
+    assert len(args) + len(kwargs) - 1 == len(arg_names) and set(kwargs) - {"maxnreg"} <= set(arg_names)
 
 
 @pytest.mark.parametrize("dims", DIMS)
@@ -140,9 +144,9 @@ def test_dq_launch_passes_the_parts_and_o(dims, monkeypatch):
 
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
 def test_part_kernels_compile_for_sm90a_without_spills():
-    """One subprocess compiles a few proposed variants (the split dK/dV, the MLA dK/dV under the tree mask, two
-    dQ computing delta) with `check_gluon_bwd_parts_compile.check`'s checks."""
-    jobs = [("dkdv", (192, 192), "R", False), ("dkdv", (192, 128), "tree", True), ("dq", (96, 96), "LR", False),
+    """One subprocess compiles a few proposed variants (the 96 dK/dV, the MLA dK/dV under the tree mask, two dQ
+    computing delta) with `check_gluon_bwd_parts_compile.check`'s checks."""
+    jobs = [("dkdv", (96, 96), "R", False), ("dkdv", (192, 128), "tree", True), ("dq", (96, 96), "LR", False),
             ("dq", (128, 64), "C", False)]
     script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_bwd_parts_compile as c\n"
               f"bad = 0\nfor kernel, dims, mask, tree in {jobs}:\n"

@@ -68,7 +68,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_direct, _store_tile
+from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
 from packattn.ops.varlen.bwd_ws_sm90 import _tile_barriers, _zero_tails, ws_partitions
 from packattn.ops.varlen.common_sm90 import _to_operand, mma_layout
@@ -93,12 +93,11 @@ def _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale
 @gluon.jit
 def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready, empty, zero_bar,
                   m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of one consumer warp group (module
     docstring). Returns ``(dk, dv, ntail)`` with no wgmma in flight (``ntail``: tail steps so far).
     ``CONSUMERS == 1``: the only consumer zeroes both tails, no ``zero_bar`` rendezvous (``ntail``
-    unchanged). ``SPLIT_D``: S^T and dP^T over the whole head dim, dV and dK over this group's columns."""
+    unchanged)."""
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     q_buf = q_bufs.index(slot)
@@ -116,17 +115,11 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
     p_t = _probs_t_ws(s_t, lse_log2, q_lo, q_hi, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M,
                       s_layout)
     p_op = _to_operand(p_t, k_wg.dtype, o_layout)
-    if SPLIT_D:  # this group's columns of dO and Q
-        do_b = do_buf.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
-        q_b = q_buf.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
-    else:
-        do_b = do_buf
-        q_b = q_buf
-    dv_tok = warpgroup_mma(p_op, do_b, dv, is_async=True)
+    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = stat.slice(BLOCK_M, BLOCK_M).load(gl.SliceLayout(0, s_layout))
     ds_t = _to_operand(p_t * (dp_t - delta[None, :]), k_wg.dtype, o_layout)
-    dk_tok = warpgroup_mma(ds_t, q_b, dk, is_async=True)
+    dk_tok = warpgroup_mma(ds_t, q_buf, dk, is_async=True)
     dv, dk, p_op, ds_t = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_t))
     mbarrier.arrive(empty.index(slot), count=1)  # this consumer is done with the slot
     return dk, dv, ntail
@@ -143,13 +136,13 @@ def _fill_cols(cols, BLOCK_M: gl.constexpr):
 def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q,
                   len_kv, KeyEnd, qk_scale_log2, window_left, window_right, chunk_size, k_wg, v_wg, cols, q_bufs,
                   do_bufs, stats, kv_bar, ready, empty, zero_bar, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                  TREE: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
     """The ``total > 0`` steps of one work item, ring steps ``step .. step + total - 1``, once the tile's
     K / V have landed (``kv_bar`` phase ``kv_phase``); the query-position table is filled first. Returns ``(dk, dv,
     ntail)`` with no wgmma in flight."""
-    offs_k = k_start + WG * WG_KEYS * (1 - SPLIT_D) + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
+    offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
     q_lo, q_hi = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
     _fill_cols(cols, BLOCK_M)
@@ -159,7 +152,7 @@ def _consume_tile(step, kv_phase, dk, dv, ntail, k_start, m_lo, m_mid_lo, m_mid_
     for it in range(step, step + total):
         dk, dv, ntail = _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs, stats, ready,
                                       empty, zero_bar, m_mid_lo, m_mid_hi, q_lo, q_hi, len_q, qk_scale_log2, s_layout,
-                                      o_layout, WG, BLOCK_M, HEAD_DIM, STAGES, CONSUMERS, SPLIT_D)
+                                      o_layout, WG, BLOCK_M, STAGES, CONSUMERS)
         m_start += BLOCK_M
         if m_start == m_end:
             m_start = m_lo
@@ -185,28 +178,26 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                       q_bufs, do_bufs, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr,
-                      SPLIT_D: gl.constexpr, WG: gl.constexpr):
+                      WG: gl.constexpr):
     """Consumer warp group ``WG`` (4 warps) of ``CONSUMERS`` (1 or 2): keys ``[64 WG, 64 WG + 64)`` of the
-    program's key tile, their dK / dV; ``SPLIT_D``: the tile's 64 keys, columns ``[WG d / 2, (WG + 1) d / 2)``
-    of their dK / dV."""
-    DC: gl.constexpr = HEAD_DIM // (1 + SPLIT_D)  # dK / dV columns of this group
-    KEY0: gl.constexpr = WG * WG_KEYS * (1 - SPLIT_D)  # first key of this group in the tile
+    program's key tile, their dK / dV."""
+    KEY0: gl.constexpr = WG * WG_KEYS  # first key of this group in the tile
     s_layout: gl.constexpr = mma_layout(4, BLOCK_M)  # S^T, dP^T: (64 keys, BLOCK_M queries)
-    o_layout: gl.constexpr = mma_layout(4, DC)  # dK, dV: (64 keys, DC)
+    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)  # dK, dV: (64 keys, HEAD_DIM)
     k_wg = k_smem.slice(KEY0, WG_KEYS, dim=0)
     v_wg = v_smem.slice(KEY0, WG_KEYS, dim=0)
     cols = col_smem.index(WG)
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
                    gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
-    dk = gl.zeros([WG_KEYS, DC], gl.float32, o_layout)
-    dv = gl.zeros([WG_KEYS, DC], gl.float32, o_layout)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, o_layout)
     if total > 0:
         dk, dv, ntail = _consume_tile(0, 0, dk, dv, m_lo * 0, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks,
                                       total, len_q, len_kv, KeyEnd, qk_scale_log2, window_left, window_right,
                                       chunk_size, k_wg, v_wg, cols, q_bufs, do_bufs, stats, kv_bar, ready, empty,
-                                      zero_bar, s_layout, o_layout, WG, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS, SPLIT_D)
+                                      zero_bar, s_layout, o_layout, WG, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                                      HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS)
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     if CONSUMERS == 1:  # (at 232 registers the section size, if shared with the first decode, spills)
         nprog = _opaque_num_programs(num_heads_kv)
@@ -216,14 +207,7 @@ def _dkdv_ws_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                    _opaque_program_id(num_heads_kv), nprog, num_heads_kv, group_size, heads_per_section, BLOCK_M)
     first_key = k_start + KEY0
-    if SPLIT_D:  # the other group may still read K / V: stored from registers
-        if seq >= 0:
-            row0_kv64 = row0_kv.to(gl.int64)
-            _store_direct(dv, dV + row0_kv64 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head + WG * DC,
-                          first_key, len_kv, stride_dv_row, WG_KEYS, DC, o_layout)
-            _store_direct(dk * scale, dK + row0_kv64 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head
-                          + WG * DC, first_key, len_kv, stride_dk_row, WG_KEYS, DC, o_layout)
-    elif seq >= 0:
+    if seq >= 0:
         # staged through this warp group's own K / V rows (nobody else reads them; its wgmma are done;
         # with total == 0 no TMA was issued into them)
         _store_dkdv(dk, dv, dK, dV, k_wg, v_wg, kv_head, first_key, len_kv, row0_kv, stride_dk_row,
@@ -255,7 +239,7 @@ def _dkdv_ws_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLO
     return k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty
 
 
-_partitions = ws_partitions(_dkdv_ws_consumer, _dkdv_ws_producer)  # consumer 1: keys 64..127 (SPLIT_D: upper columns)
+_partitions = ws_partitions(_dkdv_ws_consumer, _dkdv_ws_producer)  # consumer 1: keys 64..127
 
 
 # ---------------------------------------------------------------- kernel
@@ -269,7 +253,6 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, TREE: gl.constexpr = False,
-    SPLIT_D: gl.constexpr = False,
 ):
     """dK, dV of one (key tile, kv head) per program, grid ``num_work = tiles.shape[0] * num_heads_kv`` (the
     argument itself is unused). Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` /
@@ -282,14 +265,14 @@ def varlen_bwd_dkdv_gluon_ws_kernel(
     gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
     gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
-    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS + SPLIT_D  # SPLIT_D: BLOCK_N = 64 (`configs.check_dkdv_config`)
+    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS
     k_smem, v_smem, q_bufs, do_bufs, col_smem, stats, kv_bar, zero_bar, ready, empty = _dkdv_ws_buffers(
         q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CONSUMERS)
     _partitions((dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                  stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                  qk_scale_log2, scale, window_left, window_right, chunk_size, k_smem, v_smem, col_smem, q_bufs, do_bufs,
                  stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                 TOP_LEFT, TREE, CONSUMERS, SPLIT_D),
+                 TOP_LEFT, TREE, CONSUMERS),
                 (q_desc, k_desc, v_desc, do_desc, Lse, Delta, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q,
                  row_offsets_kv, stride_lse_head, num_heads_kv, group_size, heads_per_section, k_smem, v_smem, q_bufs,
                  do_bufs, stats, kv_bar, ready, empty, HEAD_DIM, BLOCK_M, STAGES),

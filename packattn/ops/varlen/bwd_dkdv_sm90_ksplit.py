@@ -7,13 +7,13 @@ one program per (64-key tile, kv head), ``tile_table(seqs, mask, True, 64, 64)``
 order, 64 queries a ring step, the parts producer (`bwd_parts_sm90._dkdv_parts_producer`; one part at 256, 128 + 64
 at 192). Deterministic: every output element is summed by one warp group in step order, no atomics.
 
-Unlike the ``SPLIT_D`` kernel (both groups compute S^T and dP^T over all 64 keys: 6 MMA units a step), each
-group computes the NON-transposed ``S = Q K_w^T`` and ``dP = dO V_w^T`` for its own 32 keys ``w`` only (queries
+Each group computes the NON-transposed ``S = Q K_w^T`` and ``dP = dO V_w^T`` for its own 32 keys ``w`` only (queries
 are the wgmma M, lse / delta are per-row values), writes ``P^T`` and ``dS^T`` (input dtype) into its 32 rows of
 two shared ``[64 keys, 64 queries]`` buffers, and after a rendezvous of both groups accumulates ``dV += P^T dO``
 and ``dK += dS^T Q`` over ALL 64 keys (keys are the wgmma M) for the columns it owns (`own_width`): 4 MMA units a
-step. Column ownership: at 256 group ``w`` owns columns ``[128 w, 128 w + 128)`` of dK and dV; at 192 group 0
-the 128-column part, group 1 the 64-column part; MLA 192/128 dK as at 192, dV 64 columns each.
+step (two groups each computing S^T and dP^T over all 64 keys and dK / dV over half the columns would take 6).
+Column ownership: at 256 group ``w`` owns columns ``[128 w, 128 w + 128)`` of dK and dV; at 192 group 0 the
+128-column part, group 1 the 64-column part. V and dO have q/k's head dim (d_v = d).
 
 Step ``it`` of consumer ``w`` (enters and leaves with no wgmma in flight)::
 
@@ -140,27 +140,25 @@ def _exchange(x, bufs, it, bar, WG: gl.constexpr):
 @gluon.jit
 def _ksplit_step(it, m_start, dk, dv, ntail, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, pt_bufs,
                  dst_bufs, bnd, ready, empty, zero_bar, p_bar, ds_bar, m_mid_lo, m_mid_hi, len_q, qk_scale_log2,
-                 s_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 s_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Step ``it`` (queries ``m_start ...`` of one query head) of consumer ``WG`` (module docstring); ``k_*`` /
     ``v_*``: this group's 32 keys. Returns ``(dk, dv, ntail)`` with no wgmma in flight."""
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
-    DV_LO: gl.constexpr = part_lo(HEAD_DIM_V)
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     qh, ql, dh, dl = q_hi.index(slot), q_lo.index(slot), do_hi.index(slot), do_lo.index(slot)
     stat = stats.index(slot)
     if m_start + STEP_QUERIES > len_q:  # rows past the sequence: zeros, not NaN, enter S, dP, dK, dV
-        ntail = _zero_tails(qh, ql, dh, dl, m_start, len_q, ntail, zero_bar, STEP_QUERIES, D_LO, DV_LO, WG, 2)
+        ntail = _zero_tails(qh, ql, dh, dl, m_start, len_q, ntail, zero_bar, STEP_QUERIES, D_LO, D_LO, WG, 2)
     s_zero = gl.zeros([STEP_QUERIES, WG_KEYS], gl.float32, s_layout)
     s_tok = _chain_t(qh, ql, k_hi, k_lo, s_zero, D_LO)
-    dp_tok = _chain_t(dh, dl, v_hi, v_lo, s_zero, DV_LO)
+    dp_tok = _chain_t(dh, dl, v_hi, v_lo, s_zero, D_LO)
     lse = stat.slice(0, STEP_QUERIES).load(gl.SliceLayout(1, s_layout))
     lse_log2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # a row that sees no key: P = 0
-    s = warpgroup_mma_wait(1 + (DV_LO > 0), deps=(s_tok, ))
+    s = warpgroup_mma_wait(1 + (D_LO > 0), deps=(s_tok, ))
     p = _probs(s, lse_log2, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, bnd, s_layout, WG)
     pt = _exchange(p, pt_bufs, it, p_bar, WG)
-    dv_tok = warpgroup_mma(pt, _own_cols(dh, dl, WG, HEAD_DIM_V), dv, is_async=True)
+    dv_tok = warpgroup_mma(pt, _own_cols(dh, dl, WG, HEAD_DIM), dv, is_async=True)
     dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
     delta = stat.slice(STEP_QUERIES, STEP_QUERIES).load(gl.SliceLayout(1, s_layout))
     dst = _exchange(p * (dp - delta[:, None]), dst_bufs, it, ds_bar, WG)
@@ -189,9 +187,9 @@ def _fill_bounds(bnd, k_start, KeyEnd, len_q, len_kv, window_left, window_right,
 def _ksplit_loop(dk, dv, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, KeyEnd,
                  qk_scale_log2, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi,
                  do_lo, stats, pt_bufs, dst_bufs, bnd, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                 s_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                 TOP_LEFT: gl.constexpr, TREE: gl.constexpr):
+                 s_layout: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                 TREE: gl.constexpr):
     """The ``total > 0`` steps of the program's tile; returns ``(dk, dv)`` with no wgmma in flight."""
     _fill_bounds(bnd, k_start, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, WG, HAS_LEFT,
                  HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
@@ -202,7 +200,7 @@ def _ksplit_loop(dk, dv, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total,
     for it in range(total):
         dk, dv, ntail = _ksplit_step(it, m_start, dk, dv, ntail, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo,
                                      stats, pt_bufs, dst_bufs, bnd, ready, empty, zero_bar, p_bar, ds_bar, m_mid_lo,
-                                     m_mid_hi, len_q, qk_scale_log2, s_layout, WG, HEAD_DIM, HEAD_DIM_V, STAGES)
+                                     m_mid_hi, len_q, qk_scale_log2, s_layout, WG, HEAD_DIM, STAGES)
         m_start += STEP_QUERIES
         if m_start == m_end:
             m_start = m_lo
@@ -214,17 +212,15 @@ def _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, 
                      stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                      qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo,
                      do_hi, do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr,
-                     WG: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TREE: gl.constexpr, WG: gl.constexpr):
     """Consumer warp group ``WG`` (the last argument, `bwd_ws_sm90.ws_partitions`): S / dP of keys ``[32 WG, 32 WG +
     32)`` of the tile, dK / dV of all 64 keys on its own columns (`own_width`), stored from registers."""
-    DK_W: gl.constexpr = own_width(WG, HEAD_DIM)
-    DV_W: gl.constexpr = own_width(WG, HEAD_DIM_V)
+    W: gl.constexpr = own_width(WG, HEAD_DIM)
     KEY0: gl.constexpr = WG * WG_KEYS
     s_layout: gl.constexpr = mma_layout(4, WG_KEYS)  # S, dP: (64 queries, 32 keys)
-    dk = gl.zeros([TILE_KEYS, DK_W], gl.float32, mma_layout(4, DK_W))
-    dv = gl.zeros([TILE_KEYS, DV_W], gl.float32, mma_layout(4, DV_W))
+    dk = gl.zeros([TILE_KEYS, W], gl.float32, mma_layout(4, W))
+    dv = gl.zeros([TILE_KEYS, W], gl.float32, mma_layout(4, W))
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, _row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
                    gl.num_programs(0), num_heads_kv, group_size, heads_per_section, STEP_QUERIES)
@@ -234,8 +230,7 @@ def _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, 
                               k_lo.slice(KEY0, WG_KEYS, dim=0), v_hi.slice(KEY0, WG_KEYS, dim=0),
                               v_lo.slice(KEY0, WG_KEYS, dim=0), q_hi, q_lo, do_hi, do_lo, stats, pt_bufs, dst_bufs,
                               bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar,
-                              s_layout, WG, HEAD_DIM, HEAD_DIM_V, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                              TREE)
+                              s_layout, WG, HEAD_DIM, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, _row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
@@ -243,10 +238,10 @@ def _ksplit_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, 
                    STEP_QUERIES)
     if seq >= 0:  # the other group may still read K / V / the exchange buffers: stored from registers
         row0 = row0_kv.to(gl.int64)
-        base_v = dV + row0 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head + own_col(WG, HEAD_DIM_V)
+        base_v = dV + row0 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head + own_col(WG, HEAD_DIM)
         base_k = dK + row0 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head + own_col(WG, HEAD_DIM)
-        _store_direct(dv, base_v, k_start, len_kv, stride_dv_row, TILE_KEYS, DV_W, mma_layout(4, DV_W))
-        _store_direct(dk * scale, base_k, k_start, len_kv, stride_dk_row, TILE_KEYS, DK_W, mma_layout(4, DK_W))
+        _store_direct(dv, base_v, k_start, len_kv, stride_dv_row, TILE_KEYS, W, mma_layout(4, W))
+        _store_direct(dk * scale, base_k, k_start, len_kv, stride_dk_row, TILE_KEYS, W, mma_layout(4, W))
 
 
 @gluon.jit
@@ -285,36 +280,33 @@ def varlen_bwd_dkdv_ksplit_kernel(
     stride_dk_row, stride_dk_head, stride_dv_row, stride_dv_head, stride_lse_head,
     num_heads_kv, group_size, qk_scale_log2, scale, window_left, window_right, chunk_size, heads_per_section,
     num_work,
-    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     TREE: gl.constexpr = False,
 ):
     """dK, dV with the keys split over two consumer warp groups (module docstring); arguments as
-    `bwd_dkdv_sm90_parts.varlen_bwd_dkdv_parts_kernel` (descriptors from `launch_sm90.part_descriptors`, a ``lo``
-    descriptor None where its dim has one part), ``BLOCK_N = BLOCK_M = 64``."""
+    `bwd_dkdv_sm90_parts.varlen_bwd_dkdv_parts_kernel` with ``HEAD_DIM_V = HEAD_DIM`` (descriptors from
+    `launch_sm90.part_descriptors`, the ``lo`` ones None at 256), ``BLOCK_N = BLOCK_M = 64``."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_N == TILE_KEYS) & (BLOCK_M == STEP_QUERIES), "64-key tiles, 64 queries a step")
     gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
-    gl.static_assert((HEAD_DIM == 192) | (HEAD_DIM == 256), "q/k head dim 192 or 256")
-    gl.static_assert((HEAD_DIM_V == HEAD_DIM) | (HEAD_DIM_V == 128), "value head dim: d, or 128 (MLA)")
+    gl.static_assert((HEAD_DIM == 192) | (HEAD_DIM == 256), "head dim 192 or 256")
     D_HI: gl.constexpr = part_hi(HEAD_DIM)
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
-    DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
-    DV_LO: gl.constexpr = part_lo(HEAD_DIM_V)
     k_hi, k_lo = _alloc_parts(k_desc, k_lo_desc, 0, BLOCK_N, D_HI, D_LO)
-    v_hi, v_lo = _alloc_parts(v_desc, v_lo_desc, 0, BLOCK_N, DV_HI, DV_LO)
+    v_hi, v_lo = _alloc_parts(v_desc, v_lo_desc, 0, BLOCK_N, D_HI, D_LO)
     q_hi, q_lo = _alloc_parts(q_desc, q_lo_desc, STAGES, BLOCK_M, D_HI, D_LO)
-    do_hi, do_lo = _alloc_parts(do_desc, do_lo_desc, STAGES, BLOCK_M, DV_HI, DV_LO)
+    do_hi, do_lo = _alloc_parts(do_desc, do_lo_desc, STAGES, BLOCK_M, D_HI, D_LO)
     stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, zero_bar, p_bar, ds_bar, ready, empty = _ksplit_small_buffers(
         k_desc.dtype, STAGES)
     _partitions((dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, KeyEnd, stride_dk_row,
                  stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                  qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi,
                  do_lo, stats, pt_bufs, dst_bufs, bnd_smem, kv_bar, ready, empty, zero_bar, p_bar, ds_bar, HEAD_DIM,
-                 HEAD_DIM_V, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE),
+                 STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE),
                 (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse, Delta, tiles,
                  cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
                  heads_per_section, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty,
-                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES),
+                 HEAD_DIM, HEAD_DIM, BLOCK_M, STAGES),
                 2, CONSUMER_REGS, PRODUCER_REGS)

@@ -1,5 +1,6 @@
 """Warp-specialised dK/dV backward for Hopper (sm_90a) at head dims in column parts (96 = 64 + 32, 192 = 128 + 64)
-and with a value head dim of its own (MLA: 192/128, 128/64): `varlen_bwd_dkdv_parts_kernel`.
+and with a value head dim of its own (MLA: 192/128, 128/64): `varlen_bwd_dkdv_parts_kernel` (the dK/dV tables run
+d = 192 on the key-split kernel, `packattn.ops.varlen.bwd_dkdv_sm90_ksplit`).
 
 The contract, partitions, ring, barriers, tail rendezvous, masks (``TREE`` included) and schedule are those of
 `packattn.ops.varlen.bwd_dkdv_sm90` (module docstring); the tensors are held in column parts
@@ -12,17 +13,14 @@ Step ``it`` of one consumer (enters and leaves with no wgmma in flight)::
     issue  dP^T = V_hi dO_hi^T (+ V_lo dO_lo^T)     (NDP = 1-2 groups)
     wait   until NDP pending                        (S^T done; dP^T runs under P^T)
     P^T = exp2(S^T c - lse log2e), masked
-    issue  dV_part += P^T dO_part for each owned value part   (NV groups)
+    issue  dV_part += P^T dO_part for each value part   (NV groups)
     wait   until NV pending                         (dP^T done; dV runs under dS^T)
-    dS^T = P^T (dP^T - delta); issue dK_part += dS^T Q_part for each owned q/k part; wait 0; arrive empty
+    dS^T = P^T (dP^T - delta); issue dK_part += dS^T Q_part for each q/k part; wait 0; arrive empty
 
-Ownership: one accumulator per column part. Without ``SPLIT_D`` a consumer owns every part of its 64 keys'
-dK and dV; with ``SPLIT_D`` (one 64-key tile, two consumers, both computing S^T and dP^T over all columns)
-consumer 0 owns the ``hi`` parts and consumer 1 the ``lo`` parts (d = 192: 128 + 128 and 64 + 64 columns of
-float32 dK + dV, 128 and 64 registers per thread; MLA 192/128: dK_hi + dV, 128, and dK_lo, 32). An accumulator
-a consumer does not own (or a part the dim lacks) is a 1-register placeholder that no wgmma touches.
+Accumulators: one per column part of the consumer's 64 keys' dK and dV; the ``lo`` part of a dim that has none
+(d_v = 128 of MLA 192/128) is a 1-register placeholder that no wgmma touches.
 
-The outputs are stored from registers (`bwd_common_sm90._store_direct`), per owned part at its columns.
+The outputs are stored from registers (`bwd_common_sm90._store_direct`), per part at its columns.
 Shared memory (contract with `packattn.ops.varlen.launch_sm90_bwd_parts.dkdv_parts_shared_bytes`): K (d) and
 V (d_v) of the tile, the ring of (Q, dO) slots, lse / delta per slot, the query-position tables, the mbarriers.
 """
@@ -52,12 +50,6 @@ WG_KEYS = gl.constexpr(64)  # keys per consumer warp group
 
 
 @gluon.constexpr_function
-def owns(wg, split, part, width):
-    """Does consumer ``wg`` hold an accumulator for column part ``part`` (0: hi, 1: lo) of ``width`` columns?"""
-    return int(width) > 0 and (not split or int(wg) == int(part))
-
-
-@gluon.constexpr_function
 def groups(*flags):
     """How many async wgmma groups the true ``flags`` issue (a wait's pending count)."""
     return sum(int(bool(f)) for f in flags)
@@ -65,7 +57,7 @@ def groups(*flags):
 
 @gluon.jit
 def _placeholder():
-    """An accumulator a consumer does not own: one float32 per thread, never touched by a wgmma."""
+    """An accumulator of a column part the dim lacks: one float32 per thread, never touched by a wgmma."""
     return gl.zeros([128], gl.float32, gl.BlockedLayout([1], [32], [4], [0]))
 
 
@@ -103,7 +95,7 @@ def _into_parts(x, dtype: gl.constexpr, b_hi, b_lo, acc_hi, acc_lo, OWN_HI: gl.c
 def _dkdv_parts_step(it, m_start, accs, ntail, k_wg, k_lo_wg, v_wg, v_lo_wg, cols, q_hi, q_lo, do_hi, do_lo, stats,
                      ready, empty, zero_bar, m_mid_lo, m_mid_hi, q_lo_b, q_hi_b, len_q, qk_scale_log2,
                      s_layout: gl.constexpr, WG: gl.constexpr, BLOCK_M: gl.constexpr, D_LO: gl.constexpr,
-                     DV_LO: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
+                     DV_LO: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Step ``it`` of one consumer (module docstring); ``accs = (dk_hi, dk_lo, dv_hi, dv_lo)``. Returns ``(accs,
     ntail)`` with no wgmma in flight."""
     dk_hi, dk_lo, dv_hi, dv_lo = accs
@@ -121,14 +113,11 @@ def _dkdv_parts_step(it, m_start, accs, ntail, k_wg, k_lo_wg, v_wg, v_lo_wg, col
     s_t = warpgroup_mma_wait(groups(True, DV_LO > 0), deps=(s_tok, ))
     p_t = _probs_t_ws(s_t, lse_log2, q_lo_b, q_hi_b, m_start, m_mid_lo, m_mid_hi, qk_scale_log2, cols, BLOCK_M,
                       s_layout)
-    OWN_VH: gl.constexpr = owns(WG, SPLIT_D, 0, dh.shape[1])
-    OWN_VL: gl.constexpr = owns(WG, SPLIT_D, 1, DV_LO)
-    dv_hi, dv_lo = _into_parts(p_t, k_wg.dtype, dh, dl, dv_hi, dv_lo, OWN_VH, OWN_VL)
-    dp_t = warpgroup_mma_wait(groups(OWN_VH, OWN_VL), deps=(dp_tok, ))
+    dv_hi, dv_lo = _into_parts(p_t, k_wg.dtype, dh, dl, dv_hi, dv_lo, True, DV_LO > 0)
+    dp_t = warpgroup_mma_wait(groups(True, DV_LO > 0), deps=(dp_tok, ))
     delta = stat.slice(BLOCK_M, BLOCK_M).load(gl.SliceLayout(0, s_layout))
     ds_t = p_t * (dp_t - delta[None, :])
-    dk_hi, dk_lo = _into_parts(ds_t, k_wg.dtype, qh, ql, dk_hi, dk_lo, owns(WG, SPLIT_D, 0, qh.shape[1]),
-                               owns(WG, SPLIT_D, 1, D_LO))
+    dk_hi, dk_lo = _into_parts(ds_t, k_wg.dtype, qh, ql, dk_hi, dk_lo, True, D_LO > 0)
     dk_hi, dk_lo, dv_hi, dv_lo = warpgroup_mma_wait(0, deps=(dk_hi, dk_lo, dv_hi, dv_lo))
     mbarrier.arrive(empty.index(slot), count=1)
     return (dk_hi, dk_lo, dv_hi, dv_lo), ntail
@@ -140,9 +129,9 @@ def _dkdv_parts_loop(accs, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, tota
                      q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar, s_layout: gl.constexpr,
                      WG: gl.constexpr, BLOCK_M: gl.constexpr, D_LO: gl.constexpr, DV_LO: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                     TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr):
+                     TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr):
     """The ``total > 0`` steps of the program's tile (`bwd_dkdv_sm90._consume_tile` with parts); returns ``accs``."""
-    offs_k = k_start + WG * WG_KEYS * (1 - SPLIT_D) + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
+    offs_k = k_start + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, s_layout))
     q_lo_b, q_hi_b = _query_bounds(offs_k, KeyEnd, len_q, len_kv, window_left, window_right, chunk_size, HAS_LEFT,
                                    HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
     _fill_cols(cols, BLOCK_M)
@@ -154,7 +143,7 @@ def _dkdv_parts_loop(accs, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, tota
         accs, ntail = _dkdv_parts_step(it, m_start, accs, ntail, k_wg, k_lo_wg, v_wg, v_lo_wg, cols, q_hi, q_lo,
                                        do_hi, do_lo, stats, ready, empty, zero_bar, m_mid_lo, m_mid_hi, q_lo_b,
                                        q_hi_b, len_q, qk_scale_log2, s_layout, WG, BLOCK_M, D_LO, DV_LO, STAGES,
-                                       CONSUMERS, SPLIT_D)
+                                       CONSUMERS)
         m_start += BLOCK_M
         if m_start == m_end:
             m_start = m_lo
@@ -177,17 +166,15 @@ def _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets
                          v_hi, v_lo, col_smem, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar,
                          HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
-                         TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_D: gl.constexpr,
-                         WG: gl.constexpr):
-    """Consumer warp group ``WG``: its 64 keys (``SPLIT_D``: the tile's), the dK / dV parts it owns (`owns`)."""
+                         TOP_LEFT: gl.constexpr, TREE: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
+    """Consumer warp group ``WG``: keys ``[64 WG, 64 WG + 64)`` of the tile, their dK / dV in column parts."""
     D_HI: gl.constexpr = part_hi(HEAD_DIM)
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     DV_LO: gl.constexpr = part_lo(HEAD_DIM_V)
-    KEY0: gl.constexpr = WG * WG_KEYS * (1 - SPLIT_D)
+    KEY0: gl.constexpr = WG * WG_KEYS
     s_layout: gl.constexpr = mma_layout(4, BLOCK_M)
-    accs = (_new_acc(owns(WG, SPLIT_D, 0, D_HI), D_HI), _new_acc(owns(WG, SPLIT_D, 1, D_LO), D_LO),
-            _new_acc(owns(WG, SPLIT_D, 0, DV_HI), DV_HI), _new_acc(owns(WG, SPLIT_D, 1, DV_LO), DV_LO))
+    accs = (_new_acc(True, D_HI), _new_acc(D_LO > 0, D_LO), _new_acc(True, DV_HI), _new_acc(DV_LO > 0, DV_LO))
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
         _dkdv_tile(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, gl.program_id(0),
                    gl.num_programs(0), num_heads_kv, group_size, heads_per_section, BLOCK_M)
@@ -198,7 +185,7 @@ def _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets
                                 v_hi.slice(KEY0, WG_KEYS, dim=0), v_lo.slice(KEY0, WG_KEYS, dim=0),
                                 col_smem.index(WG), q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar,
                                 s_layout, WG, BLOCK_M, D_LO, DV_LO, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT,
-                                TREE, CONSUMERS, SPLIT_D)
+                                TREE, CONSUMERS)
     dk_hi, dk_lo, dv_hi, dv_lo = accs
     # decoded again: the loads are cheaper than holding these scalars in registers across the loop
     seq, kv_head, k_start, m_lo, m_mid_lo, m_mid_hi, num_m_blocks, total, len_q, len_kv, row0_q, row0_kv = \
@@ -210,10 +197,10 @@ def _dkdv_parts_consumer(dK, dV, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets
         base_v = dV + row0 * stride_dv_row + kv_head.to(gl.int64) * stride_dv_head
         base_k = dK + row0 * stride_dk_row + kv_head.to(gl.int64) * stride_dk_head
         first_key = k_start + KEY0
-        _store_part(dv_hi, base_v, 0, first_key, len_kv, stride_dv_row, 1.0, owns(WG, SPLIT_D, 0, DV_HI))
-        _store_part(dv_lo, base_v, DV_HI, first_key, len_kv, stride_dv_row, 1.0, owns(WG, SPLIT_D, 1, DV_LO))
-        _store_part(dk_hi, base_k, 0, first_key, len_kv, stride_dk_row, scale, owns(WG, SPLIT_D, 0, D_HI))
-        _store_part(dk_lo, base_k, D_HI, first_key, len_kv, stride_dk_row, scale, owns(WG, SPLIT_D, 1, D_LO))
+        _store_part(dv_hi, base_v, 0, first_key, len_kv, stride_dv_row, 1.0, True)
+        _store_part(dv_lo, base_v, DV_HI, first_key, len_kv, stride_dv_row, 1.0, DV_LO > 0)
+        _store_part(dk_hi, base_k, 0, first_key, len_kv, stride_dk_row, scale, True)
+        _store_part(dk_lo, base_k, D_HI, first_key, len_kv, stride_dk_row, scale, D_LO > 0)
 
 
 _partitions = ws_partitions(_dkdv_parts_consumer, _dkdv_parts_producer)
@@ -230,7 +217,7 @@ def varlen_bwd_dkdv_parts_kernel(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    TREE: gl.constexpr = False, SPLIT_D: gl.constexpr = False,
+    TREE: gl.constexpr = False,
 ):
     """`bwd_dkdv_sm90.varlen_bwd_dkdv_gluon_ws_kernel` with column parts (module docstring). Descriptors from
     `launch_sm90.part_descriptors`: ``q_desc`` / ``q_lo_desc`` blocks ``[BLOCK_M, hi]`` / ``[BLOCK_M, lo]`` of
@@ -240,12 +227,11 @@ def varlen_bwd_dkdv_parts_kernel(
     gl.static_assert((BLOCK_N == WG_KEYS) | (BLOCK_N == 2 * WG_KEYS), "one or two consumer warp groups of 64 keys")
     gl.static_assert((BLOCK_M == 32) | (BLOCK_M == 64), "query block: 32 or 64 rows")
     gl.static_assert(STAGES >= 2, "ring of at least two (Q, dO) slots")
-    gl.static_assert((not SPLIT_D) | (part_lo(HEAD_DIM) > 0), "SPLIT_D: consumer 1 owns the q/k lo part")
     D_HI: gl.constexpr = part_hi(HEAD_DIM)
     D_LO: gl.constexpr = part_lo(HEAD_DIM)
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     DV_LO: gl.constexpr = part_lo(HEAD_DIM_V)
-    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS + SPLIT_D
+    CONSUMERS: gl.constexpr = BLOCK_N // WG_KEYS
     k_hi, k_lo = _alloc_parts(k_desc, k_lo_desc, 0, BLOCK_N, D_HI, D_LO)
     v_hi, v_lo = _alloc_parts(v_desc, v_lo_desc, 0, BLOCK_N, DV_HI, DV_LO)
     q_hi, q_lo = _alloc_parts(q_desc, q_lo_desc, STAGES, BLOCK_M, D_HI, D_LO)
@@ -255,7 +241,7 @@ def varlen_bwd_dkdv_parts_kernel(
                  stride_dk_head, stride_dv_row, stride_dv_head, num_heads_kv, group_size, heads_per_section,
                  qk_scale_log2, scale, window_left, window_right, chunk_size, k_hi, k_lo, v_hi, v_lo, col_smem, q_hi,
                  q_lo, do_hi, do_lo, stats, kv_bar, ready, empty, zero_bar, HEAD_DIM, HEAD_DIM_V, BLOCK_M, STAGES,
-                 HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS, SPLIT_D),
+                 HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE, CONSUMERS),
                 (q_desc, k_desc, v_desc, do_desc, q_lo_desc, k_lo_desc, v_lo_desc, do_lo_desc, Lse, Delta, tiles,
                  cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_lse_head, num_heads_kv, group_size,
                  heads_per_section, k_hi, k_lo, v_hi, v_lo, q_hi, q_lo, do_hi, do_lo, stats, kv_bar, ready, empty,

@@ -217,7 +217,7 @@ def heads_per_section(heads_q: int, group_size: int, short_seqs: bool = False) -
 @dataclass(frozen=True)
 class GluonBwdConfig:
     """A configuration of a warp-specialised Gluon backward pass. dK/dV: ``block_n`` keys per tile (one consumer
-    warp group per 64, or two splitting the head dim: `dkdv_splits_head_dim`), ``block_m`` queries per ring step.
+    warp group per 64; ``key_split``: two sharing one 64-key tile), ``block_m`` queries per ring step.
     dQ: ``block_m`` queries per tile (one consumer warp group per 64), ``block_n`` keys per step; it can compute
     delta itself (`launch_sm90.gluon_dq` with ``out``)."""
 
@@ -275,9 +275,10 @@ def dq_config(head_dim: int, short_seqs: bool = False) -> GluonBwdConfig:
 
 
 def check_dkdv_config(cfg: GluonBwdConfig) -> None:
-    """Raise ValueError unless the warp-specialised dK/dV kernel takes ``cfg``: two consumer warp groups
-    (block_n 128, num_warps 8), one (block_n 64, num_warps 4), or two splitting the head dim of one 64-key tile
-    (block_n 64, num_warps 8: `dkdv_splits_head_dim`), 32 or 64 queries per step, >= 2 stages."""
+    """Raise ValueError unless a warp-specialised dK/dV kernel takes ``cfg``. ``key_split`` (the key-split kernel,
+    `launch_sm90_ksplit`, which checks its configs here): block_m 64, block_n 64, num_warps 8 (two consumer warp
+    groups sharing one 64-key tile), >= 2 stages. Otherwise: two consumer warp groups of 64 keys each (block_n
+    128, num_warps 8) or one (block_n 64, num_warps 4), 32 or 64 queries per step, >= 2 stages."""
     if cfg.key_split:
         if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 8) or cfg.stages < 2:
             raise ValueError(f"{cfg}: the key-split dK/dV kernel takes block_m 64, block_n 64, num_warps 8 (two "
@@ -285,17 +286,10 @@ def check_dkdv_config(cfg: GluonBwdConfig) -> None:
         return
     two = (cfg.block_n, cfg.num_warps) == (128, 8)
     one = (cfg.block_n, cfg.num_warps) == (64, 4)
-    if not (one or two or dkdv_splits_head_dim(cfg)) or cfg.block_m not in (32, 64) or cfg.stages < 2:
+    if not (one or two) or cfg.block_m not in (32, 64) or cfg.stages < 2:
         raise ValueError(f"{cfg}: the warp-specialised dK/dV kernel takes block_m 32 / 64, stages >= 2 and "
-                         "block_n 128 with num_warps 8 (two consumer warp groups), block_n 64 with num_warps 4 "
-                         "(one) or block_n 64 with num_warps 8 (two, splitting the head dim)")
-
-
-def dkdv_splits_head_dim(cfg: GluonBwdConfig) -> bool:
-    """Do the dK/dV kernel's two consumer warp groups share one 64-key tile, each computing S^T and dP^T over the
-    whole head dim and dK / dV over half its columns (block_n 64, num_warps 8: the kernel's ``SPLIT_D``)? Where
-    64 x d float32 dK and dV do not fit one warp group's registers (d = 256)."""
-    return (cfg.block_n, cfg.num_warps) == (64, 8) and not cfg.key_split
+                         "block_n 128 with num_warps 8 (two consumer warp groups) or block_n 64 with num_warps 4 "
+                         "(one); two warp groups on 64 keys is the key-split kernel (key_split=True)")
 
 
 def check_dq_config(cfg: GluonBwdConfig) -> None:

@@ -20,10 +20,10 @@ from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
 from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
-from packattn.ops.varlen.configs import (GluonBwdConfig, GluonConfig, check_dkdv_config, check_dq_config,
-                                         dkdv_splits_head_dim, heads_per_section)
-from packattn.ops.varlen.launch_sm90_bwd_parts import (dkdv_parts_shared_bytes, dq_parts_shared_bytes, gluon_dkdv_parts,
-                                                      gluon_dq_parts, in_parts, parts_split)
+from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, heads_per_section
+from packattn.ops.varlen.launch_sm90_bwd_parts import (check_no_key_split, dkdv_parts_shared_bytes,
+                                                      dq_parts_shared_bytes, gluon_dkdv_parts, gluon_dq_parts,
+                                                      in_parts, parts_split)
 from packattn.ops.varlen.launch_sm90_ksplit import gluon_dkdv_ksplit
 
 
@@ -57,8 +57,8 @@ def dkdv_shared_bytes(cfg: GluonBwdConfig, head_dim: int, element_size: int = 2)
 def dkdv_resources(cfg: GluonBwdConfig, head_dim: int) -> dict:
     """Register split of the dK/dV kernel (`sm90.ws_split`): at d = 128 with two consumer warp groups one CTA
     per SM, maxnreg 168, consumers 240; with one (<= ~113 KB of shared memory) two CTAs per SM, maxnreg 128,
-    consumer 232."""
-    check_dkdv_config(cfg)
+    consumer 232 (`launch_sm90_bwd_parts.check_no_key_split`)."""
+    check_no_key_split(cfg)
     return ws_split(cfg.num_warps, dkdv_shared_bytes(cfg, head_dim))
 
 
@@ -167,7 +167,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
     if tree:
         mask = NO_MASK  # no window / chunk: the constexprs select the tree mask alone
     section = heads_per_section(q.shape[1], q.shape[1] // heads_kv, short_seqs) * heads_kv // q.shape[1]  # kv heads
-    if cfg.key_split:  # opt-in: the keys split over the consumer warp groups (d = 192 / 256)
+    if cfg.key_split:  # the keys split over two consumer warp groups (the tables' config at d = 192 / 256)
         return gluon_dkdv_ksplit(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale, mask, cfg, section,
                                  part_descriptors, key_end)
     if in_parts(q.shape[-1], v.shape[-1]):  # column parts / a value head dim of its own
@@ -181,8 +181,8 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float,
             scale, *mask_scalars(mask), section, num_work)
     fast_launch.launch(varlen_bwd_dkdv_gluon_ws_kernel, (num_work,), args, dict(
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, **mask_constexprs(mask),
-        TREE=tree, SPLIT_D=dkdv_splits_head_dim(cfg), CONSUMER_REGS=res["consumer_regs"],
-        PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
+        TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"], num_warps=4,
+        maxnreg=res["maxnreg"]))
 
 
 def gluon_dq(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,

@@ -16,7 +16,6 @@ from packattn.ops.varlen.configs import (
     GluonBwdConfig,
     check_dkdv_config,
     check_dq_config,
-    dkdv_splits_head_dim,
 )
 
 # The producer warp's registers in the part kernels, forward (`launch_sm90.fwd_resources`) and backward: at 24 (or
@@ -24,6 +23,14 @@ from packattn.ops.varlen.configs import (
 # check_gluon_bwd_parts_compile.py); the consumers keep 232 (a d = 192 forward consumer with 64-key blocks needs
 # ~215).
 PARTS_PRODUCER_REGS = 40
+
+
+def check_no_key_split(cfg: GluonBwdConfig) -> None:
+    """`configs.check_dkdv_config`, and raise ValueError for a ``key_split`` config: the dK/dV kernels of 64-key
+    consumer warp groups (plain and in parts) do not take one (`launch_sm90_ksplit` does)."""
+    check_dkdv_config(cfg)
+    if cfg.key_split:
+        raise ValueError(f"{cfg}: a key_split config runs the key-split dK/dV kernel (`launch_sm90_ksplit`)")
 
 
 def in_parts(head_dim: int, head_dim_v: int) -> bool:
@@ -60,11 +67,8 @@ def parts_split(num_warps: int, shared: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def dkdv_parts_resources(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int) -> dict:
-    """Occupancy and register split of the dK/dV part kernel."""
-    check_dkdv_config(cfg)
-    if dkdv_splits_head_dim(cfg) and head_dim == 1 << (head_dim.bit_length() - 1):
-        raise ValueError(f"{cfg}: the dK/dV part kernel splits the head dim only into its two column parts "
-                         f"({head_dim} has one)")
+    """Occupancy and register split of the dK/dV part kernel (`check_no_key_split`)."""
+    check_no_key_split(cfg)
     return parts_split(cfg.num_warps, dkdv_parts_shared_bytes(cfg, head_dim, head_dim_v))
 
 
@@ -96,8 +100,8 @@ def gluon_dkdv_parts(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: 
             q.shape[1] // heads_kv, scale * LOG2E, scale, *mask_scalars(mask), section, num_work)
     fast_launch.launch(varlen_bwd_dkdv_parts_kernel, (num_work,), args, dict(
         HEAD_DIM=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        **mask_constexprs(mask), TREE=tree, SPLIT_D=dkdv_splits_head_dim(cfg), CONSUMER_REGS=res["consumer_regs"],
-        PRODUCER_REGS=res["producer_regs"], num_warps=4, maxnreg=res["maxnreg"]))
+        **mask_constexprs(mask), TREE=tree, CONSUMER_REGS=res["consumer_regs"], PRODUCER_REGS=res["producer_regs"],
+        num_warps=4, maxnreg=res["maxnreg"]))
 
 
 def gluon_dq_parts(q, k, v, dout, lse, delta, dq, tiles, seq_args, scale: float, mask, cfg: GluonBwdConfig,
