@@ -56,10 +56,11 @@ class SmallSeqConfig:
 # instructions per byte (each warp of a program repeats the per-unit work: addresses, masks, softmax, so
 # fewer warps a unit issue fewer instructions; the forward at 85% of copy bandwidth leaves ~250 warp
 # instructions per KB at full issue). benchmarks/small_seq_sweep.py times them against alternatives; the
-# forward at (256, 1) and the backward at (64, 2) and (512, 2) are the sweep's best (benchmarks/NOTES.md, v35).
+# forward at (256, 1) and (64, 2) and the backward at (64, 2) and (512, 2) are the sweep's best (benchmarks/NOTES.md,
+# v35, v36).
 FWD = {
     (64, 1): SmallSeqConfig(block_h=1, num_warps=1),
-    (64, 2): SmallSeqConfig(block_h=4),
+    (64, 2): SmallSeqConfig(block_h=4, units=4),
     (128, 1): SmallSeqConfig(block_h=1, num_warps=1),
     (128, 2): SmallSeqConfig(block_h=2),
     (256, 1): SmallSeqConfig(block_h=1, d_chunks=2, num_warps=1),
