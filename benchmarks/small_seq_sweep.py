@@ -23,7 +23,7 @@ config, the other pass at its default). ``--variant "name=FWD|BWD"`` adds one (c
 by name (``default`` always runs first: the reference of relL2), ``--proposed`` runs the default, the
 `PROPOSED` ones and ``--variant`` ones only:
 
-    python benchmarks/small_seq_sweep.py --proposed --shapes d64-8/2 d64-8/8
+    python benchmarks/small_seq_sweep.py --proposed --shapes d128-8/2
 
 The table comes last: per shape the best forward and the best forward+backward variant (bwd ms = f+b ms -
 fwd ms), against the targets (fwd >= 85%, f+b >= 60% of copy), and the best by GPU time alone.
@@ -63,13 +63,7 @@ ALT = {
 # scripts/check_small_seq_compile.py (no spills, programs per SM, KB in flight, SASS instructions per KB of
 # the unit loop). ``i``: items stacked a unit (kernels_stack: the backward's dK/dV dots reduce over several
 # items' query rows instead of one item's group padded to 16 rows; at group 1 dots instead of outer products)
-PROPOSED = {  # the candidates still open (the sweep's winners are the defaults of configs.py: NOTES.md, v35)
-    "d64-8/2": {  # 4 query rows per kv head: per-item work (table loads, addresses, masks, softmax on a tile padded
-        # to 16 rows) dominates; fwd default h2 w2 118 instr/KB, 20 warps/SM; bwd default i2 w1 130 instr/KB, 8 warps
-        "f-w1": ("h1 c1 u8 w1 s5", None),  # a warp per (item, kv head): 21 warps/SM (d64-8/8's 89% shape)
-        "f-i4s3": ("h1 c1 u8 w1 s3 i4", None),  # 4 items stacked: 16 real rows, 109 instr/KB, 11 warps, ~116 KB
-        "b-i4c2": (None, "h1 c2 u8 w1 s3 i4"),  # 16 real rows (no padding), 2 chunks: 88 instr/KB, 8 warps, ~100 KB
-        "b-i2s3": (None, "h1 c1 u8 w1 s3 i2")},  # one buffer: 120 instr/KB, 10 warps/SM, ~62 KB
+PROPOSED = {  # the candidates still open (the sweep's winners are the defaults of configs.py: NOTES.md, v35, v36)
     "d128-8/2": {  # forward: 82 instr/KB, not issue-bound: more KB in flight; backward: fewer instr/KB
         "f-h1w1": ("h1 c1 u8 w1 s5", None), "f-i4w2": ("h1 c1 u8 w2 s5 i4", None),
         "b-w1": (None, "h1 c1 u8 w1 s5"), "b-i4w4": (None, "h1 c1 u8 w4 s5 i4"),
