@@ -258,7 +258,8 @@ def tail_chunk(rows, head_dim):
     """Rows per step of `_zero_v_tail` over ``rows`` rows of ``head_dim`` columns (4 warps): 32, fewer where the
     part has fewer rows (a 32-row step would zero nothing) or where 32 rows would take more than 16 registers a
     thread (d = 256: the forward's tail is zeroed with its 64 x 256 output accumulator live)."""
-    return min(int(rows), 32, 4096 // int(head_dim))
+    chunk = min(int(rows), 32, 4096 // int(head_dim))
+    return 1 << (chunk.bit_length() - 1)  # a power of two: it divides a power-of-two part's rows
 
 
 @gluon.jit

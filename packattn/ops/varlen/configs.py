@@ -233,8 +233,8 @@ class GluonBwdConfig:
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
 # d = 192 / 256: the key-split kernel (`launch_sm90_ksplit`: each of two consumer warp groups computes S / dP for
-# 32 of a tile's 64 keys), 1.18x / 1.13x f+b over the head-dim split it replaced (NOTES.md, v36); 192/128 two
-# consumers of 64 keys each (the key split lost there, v36); 96 and 128/64 two consumers (one ties): the best of
+# 32 of a tile's 64 keys), the best f+b at those dims (NOTES.md, v36); 192/128 two consumers of 64 keys each
+# (faster there than the key split, v36); 96 and 128/64 two consumers (one ties): the best of
 # the configs that compile without spills (NOTES.md, v35).
 DKDV_CONFIGS = {64: GluonBwdConfig(64, 64, 2, 4), 96: GluonBwdConfig(64, 128, 2, 8),
                 128: GluonBwdConfig(64, 64, 2, 4), 192: GluonBwdConfig(64, 64, 3, 8, key_split=True),
