@@ -94,3 +94,51 @@ def test_cli_replay(tmp_path, capsys):
     assert "s200 d64 g1 causal" in out and "1.200  <-- slow" in out
     assert cli.main(["tune", "--replay", str(CHECKS["nofa4"]), "--table", str(TABLE)]) == 0
     assert "within 5% of the fastest backend on 46 of 46 rows; 0 pick(s) changed" in capsys.readouterr().out
+
+
+def test_files_that_are_not_a_check_run_are_refused_by_name(tmp_path):
+    """A cost table, a row missing a field, a row with bad values, no timings at all: ValueError naming the file
+    and the problem, before anything is replayed."""
+    good = _check(("s200 d64 g1 causal", "163x200", "f+b", "fa4", "table", {"fa4": 1.8, "triton": 1.5}))
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(table_data(row({"fa4": 1.0}, head_dim=64, group=1, regime="mid"), meta=META)))
+    with pytest.raises(ValueError, match=f"{table}: is a cost table, not a `packattn tune --check --json` run"):
+        tune_replay.replay(table, table)
+    cases = {
+        "not a `packattn tune --check --json` run: needs a top-level 'rows' list": {"env": {}},
+        "row 0: lacks pass": {"rows": [{k: v for k, v in good["rows"][0].items() if k != "pass"}]},
+        "row 0: lacks shape, pick, decided_by, times": {"rows": [{"pass": "fwd"}]},
+        "row 0: not an object": {"rows": [["s200 d64 g1 causal"]]},
+        "row 0: pass must be fwd or f\\+b, got 'bwd'": {"rows": [dict(good["rows"][0], **{"pass": "bwd"})]},
+        "row 0: shape must be a name": {"rows": [dict(good["rows"][0], shape=3)]},
+        "row 0: times must map backends to positive ms": {"rows": [dict(good["rows"][0], times={"fa4": 0})]},
+        "none of its 1 rows has timings": {"rows": [dict(good["rows"][0], times={})]},
+        "env.capability must be \\[major, minor\\]": dict(good, env={"capability": "sm90"}),
+        "row 0: 'W1 varlen' is not a tune shape name": {"rows": [dict(good["rows"][0], shape="W1 varlen")]},
+        "row 0: times name no known backend \\(flash2\\)": {"rows": [dict(good["rows"][0], times={"flash2": 1.0})]},
+    }
+    for number, (problem, data) in enumerate(cases.items()):
+        path = tmp_path / f"check{number}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=f"{path}: {problem}"):
+            tune_replay.replay(path, table)
+    with pytest.raises(ValueError, match="the check run: row 0: lacks pass"):
+        tune_replay.replay(cases["row 0: lacks pass"], table)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match=f"{broken}: not a readable JSON file"):
+        tune_replay.replay(broken, table)
+    with pytest.raises(ValueError, match="missing.json: not a readable JSON file"):
+        tune_replay.replay(tmp_path / "missing.json", table)
+
+
+def test_cli_replay_of_a_wrong_file_is_a_usage_error(tmp_path, capsys):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(table_data(row({"fa4": 1.0}, head_dim=64, group=1, regime="mid"), meta=META)))
+    for args in (["--replay", str(table), "--table", str(table)], ["--replay", str(tmp_path / "none.json")]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["tune", *args])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "packattn: error:" in err and "Traceback" not in err
+        assert ("is a cost table" in err) if args[-1] == str(table) else ("none.json: not a readable JSON file" in err)

@@ -62,6 +62,8 @@ def replay_row(found: costs.Table, row: dict, capability=(9, 0), stand_ins=None)
     params = _params(shape, row["pass"] == "f+b")
     times = row["times"]
     candidates = [b.name for b in backends.registry() if b.name in times]
+    if not candidates:
+        raise ValueError(f"times name no known backend ({', '.join(times)})")
     key, _ = costs.call_key(params)
     covering, note = costs.covering(found, key, stand_ins)
     decision = costs.rank(found, covering, candidates, {}, note) if covering is not None else None
@@ -75,18 +77,80 @@ def replay_row(found: costs.Table, row: dict, capability=(9, 0), stand_ins=None)
             "ratio": round(times[pick] / fastest, 3), "changed": pick != row["pick"]}
 
 
+def read_check(check) -> dict:
+    """A check run's JSON file (or the parsed dict) after `validate_check`; ValueError naming the file when it
+    cannot be read or parsed."""
+    if isinstance(check, dict):
+        data, source = check, "the check run"
+    else:
+        source = str(check)
+        try:
+            data = json.loads(Path(check).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{source}: not a readable JSON file ({e})") from None
+    validate_check(data, source)
+    return data
+
+
+def validate_check(data, source: str) -> None:
+    """Raise ValueError naming ``source`` and the first problem unless ``data`` is laid out as a ``packattn tune
+    --check --json`` file: a top-level ``rows`` list of objects, each with a ``shape`` name, a ``pass`` (fwd or
+    f+b), the logged ``pick`` and ``decided_by`` and ``times`` (backend -> positive ms; empty where nothing ran),
+    at least one row with times; ``env.capability``, when present, a [major, minor] pair."""
+    def bad(what: str):
+        raise ValueError(f"{source}: {what}")
+
+    if isinstance(data, dict) and "schema" in data and "arch" in data:
+        bad("is a cost table, not a `packattn tune --check --json` run (a table goes in --table)")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        bad("not a `packattn tune --check --json` run: needs a top-level 'rows' list")
+    env = data.get("env") or {}
+    if not isinstance(env, dict):
+        bad(f"env must be an object, got {env!r}")
+    capability = env.get("capability")
+    if capability is not None and (not isinstance(capability, (list, tuple)) or len(capability) != 2
+                                   or not all(isinstance(c, int) and not isinstance(c, bool) for c in capability)):
+        bad(f"env.capability must be [major, minor], got {capability!r}")
+    for number, row in enumerate(data["rows"]):
+        if not isinstance(row, dict):
+            bad(f"row {number}: not an object")
+        missing = [k for k in ("shape", "pass", "pick", "decided_by", "times") if k not in row]
+        if missing:
+            bad(f"row {number}: lacks {', '.join(missing)}")
+        for name in ("shape", "pick", "decided_by"):
+            if not isinstance(row[name], str):
+                bad(f"row {number}: {name} must be a name, got {row[name]!r}")
+        if row["pass"] not in ("fwd", "f+b"):
+            bad(f"row {number}: pass must be fwd or f+b, got {row['pass']!r}")
+        times = row["times"]
+        if not isinstance(times, dict) or not all(
+                isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0 for ms in times.values()):
+            bad(f"row {number}: times must map backends to positive ms, got {times!r}")
+    if not any(row["times"] for row in data["rows"]):
+        bad(f"none of its {len(data['rows'])} rows has timings: nothing to replay")
+
+
 def replay(check, table=None, stand_ins=None) -> list[dict]:
     """Every row of a check run (its JSON file or the parsed dict) replayed against ``table`` (a path or
-    `costs.Table`; default the packaged table of the check's architecture)."""
-    data = json.loads(Path(check).read_text()) if not isinstance(check, dict) else check
-    capability = data.get("env", {}).get("capability") or (9, 0)
+    `costs.Table`; default the packaged table of the check's architecture). ValueError for a file that is not a
+    check run (`validate_check`)."""
+    data = read_check(check)
+    capability = (data.get("env") or {}).get("capability") or (9, 0)
     if table is None:
         found = costs.table(f"sm{capability[0]}{capability[1]}")
         if found is None:
             raise ValueError(f"no packaged cost table for sm{capability[0]}{capability[1]}: pass --table")
     else:
         found = table if isinstance(table, costs.Table) else costs.load(table)
-    return [replay_row(found, row, capability, stand_ins) for row in data["rows"] if row.get("times")]
+    source = "the check run" if isinstance(check, dict) else str(check)
+    out = []
+    for number, row in enumerate(data["rows"]):
+        if row["times"]:
+            try:
+                out.append(replay_row(found, row, capability, stand_ins))
+            except ValueError as e:  # a shape name replay cannot rebuild, a backend it does not know
+                raise ValueError(f"{source}: row {number}: {e}") from None
+    return out
 
 
 def print_replay(rows: list[dict]) -> int:
