@@ -8,12 +8,13 @@ key/value head), length regime (`regime`, of the longest of queries and keys, fr
 `dispatch.Params`), mask kind (`mask_kind`) and forward-only vs with gradients. Its value is the time in ms of
 each backend measured on the row's shapes (summed over them).
 
-The regimes (`REGIME_LENGTHS`) count the forward's 128-row tiles of the longest sequence, and ``packattn tune``
-measures each on documents as long as it allows (`bench.tune.tune_grid`): ``small`` (<= 16 rows, the small-seq
-kernels' range), ``tiny`` (<= `lengths.TINY_SEQLEN` = 128: one tile; 128-token documents), ``mid`` (<=
-`lengths.MID_SEQLEN` = 256: two tiles; 256-token documents), ``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or
-four tiles; 512-token documents), ``long`` (above; W1's document lengths). Backends rank differently in each: at
-d = 64 MHA with gradients the triton backend leads at 200 tokens where FA4 leads at 512.
+The regimes (`lengths.REGIME_BOUNDS`, their ranges `REGIME_LENGTHS`) count the forward's 128-row tiles of the
+longest sequence, and ``packattn tune`` measures each on documents as long as it allows (`bench.tune.tune_grid`):
+``small`` (<= `lengths.SMALL_SEQLEN` = 16 rows, the small-seq kernels' range), ``tiny`` (<= `lengths.TINY_SEQLEN`
+= 128: one tile; 128-token documents), ``mid`` (<= `lengths.MID_SEQLEN` = 256: two tiles; 256-token documents),
+``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or four tiles; 512-token documents), ``long`` (above; W1's
+document lengths). Backends rank differently in each: at d = 64 MHA with gradients the triton backend leads at
+200 tokens where FA4 leads at 512.
 
 How a row *covers* a call (`lookup`), each rule a reason in ``packattn explain`` when it fails:
 
@@ -21,8 +22,8 @@ How a row *covers* a call (`lookup`), each rule a reason in ``packattn explain``
 * its dtype is fp16 or bf16 (the table is measured in bf16; fp16 runs the same kernels);
 * it is a varlen or dense batch (trees are not measured);
 * head dims, regime, mask kind and gradients match the row exactly, except that a call of a regime the table
-  has no such row for is ranked by the row of its stand-in regime (`STAND_INS`: ``mid`` -> ``short``), which
-  is how a table tuned before ``mid`` existed ranked those calls (``packattn explain`` says when it does);
+  has no such row for is ranked by the row of its stand-in regime (`STAND_INS`): a table with no ``mid`` row
+  for a call ranks it by its ``short`` row, and ``packattn explain`` says so;
 * the GQA group is the measured group nearest to the call's on a log2 scale (ties: the smaller group).
 
 Heads, token counts, padding between sequences, ``return_lse`` and ``deterministic`` are not in the key:
@@ -39,19 +40,17 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from packattn.lengths import MID_SEQLEN, SHORT_SEQLEN, TINY_SEQLEN
+from packattn import lengths
 
 SCHEMA = 1  # a schema-1 table may have no ``mid`` rows: `STAND_INS` covers those calls
-REGIMES = ("small", "tiny", "mid", "short", "long")
+REGIMES = tuple(name for name, _ in lengths.REGIME_BOUNDS)
 # the longest sequence of each regime, as ``packattn explain`` names it
-REGIME_LENGTHS = {"small": "<= 16", "tiny": f"17-{TINY_SEQLEN}", "mid": f"{TINY_SEQLEN + 1}-{MID_SEQLEN}",
-                  "short": f"{MID_SEQLEN + 1}-{SHORT_SEQLEN}", "long": f"> {SHORT_SEQLEN}"}
+REGIME_LENGTHS = {name: lengths.regime_range(name) for name in REGIMES}
 # regime -> the regime whose row ranks its calls where the table has no row of its own for them: the one measured
-# at the nearest longer length, which is also what a table tuned without ``mid`` rows means for those lengths
+# at the nearest longer length (a table with no ``mid`` row for a call ranks it by its ``short`` row)
 STAND_INS = {"mid": "short"}
 MASKS = ("causal", "causal_top_left", "none", "window", "chunk")
 META_KEYS = ("device", "torch", "triton", "fa4", "packattn", "date", "command", "dtype")
-_SMALL = 16  # longest sequence of the small regime (dispatch keeps lengths up to 16 exact)
 
 
 @dataclass(frozen=True)
@@ -228,11 +227,7 @@ def device_arch(params) -> str | None:
 
 def regime(max_seqlen_q: int, max_seqlen_kv: int) -> str:
     """The length regime of bucketed (or real) longest lengths, queries or keys (`REGIME_LENGTHS`)."""
-    longest = max(max_seqlen_q, max_seqlen_kv)
-    for name, bound in (("small", _SMALL), ("tiny", TINY_SEQLEN), ("mid", MID_SEQLEN), ("short", SHORT_SEQLEN)):
-        if longest <= bound:
-            return name
-    return "long"
+    return lengths.regime(max(max_seqlen_q, max_seqlen_kv))
 
 
 def mask_kind(mask, is_self: bool) -> str:

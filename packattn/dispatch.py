@@ -5,7 +5,8 @@
 the call (same head dims, length regime, mask kind and gradients; nearest GQA group; a table without a ``mid``
 row ranks those calls by its ``short`` one: `costs.lookup`); where no row covers it, the documented rule: the
 first capable backend in priority order (`backends.registry`), after `Backend.defers_to` (FA4 gives short
-batches with gradients at d = 128 to the triton backend on Hopper). An empty table is exactly that rule. The table is read on a cache miss only: a cached call is one dict lookup.
+batches with gradients at d = 128 to the triton backend on Hopper). An empty table is exactly that rule. The
+table is read on a cache miss only: a cached call is one dict lookup.
 Under torch.compile the decision is taken outside the trace (`_select_outside_trace`) on fixed length buckets
 (`Params.traced_buckets`: the long regime, or small-seq), so a compiled call ranks by the table's long rows.
 
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from packattn import backends, costs, env
-from packattn.lengths import MID_SEQLEN, SHORT_SEQLEN, TINY_SEQLEN, short_batch
+from packattn import backends, costs, env, lengths
+from packattn.lengths import SHORT_SEQLEN, SMALL_SEQLEN, short_batch
 from packattn.mask import Mask
 from packattn.varlen import Varlen
 
@@ -42,11 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("packattn.dispatch")
 
-# longest sequences in the dispatch key: exact up to 16 (the small-seq kernels care), then one bucket per length
-# regime of the cost table (`costs.regime`): up to TINY_SEQLEN (``tiny``), up to MID_SEQLEN (``mid``), up to
-# SHORT_SEQLEN (the short-batch tiles; ``short``), above it (``long``)
-_LENGTH_BUCKET = 17
-_TRACED_BUCKET = SHORT_SEQLEN + 1  # the bucket of a traced call outside the small-seq regime (`traced_buckets`)
+_TRACED_BUCKET = lengths.bucket(SHORT_SEQLEN + 1)  # the bucket of a traced call outside small-seq (`traced_buckets`)
 _CACHE_SIZE = 256
 
 
@@ -74,13 +71,9 @@ class Params:
 
     @staticmethod
     def bucket(length: int) -> int:
-        if length < _LENGTH_BUCKET:
-            return length
-        if length <= TINY_SEQLEN:
-            return _LENGTH_BUCKET
-        if length <= MID_SEQLEN:
-            return TINY_SEQLEN + 1
-        return MID_SEQLEN + 1 if length <= SHORT_SEQLEN else SHORT_SEQLEN + 1
+        """A longest length in the dispatch key (`lengths.bucket`): exact up to 16 (the small-seq kernels
+        care), then one bucket per length regime of the cost table (`lengths.REGIME_BOUNDS`)."""
+        return lengths.bucket(length)
 
     @staticmethod
     def traced_buckets(max_seqlen_q, max_seqlen_kv) -> tuple[int, int]:
@@ -88,8 +81,8 @@ class Params:
         and a branch on them becomes a guard, so a new packing would recompile). One branch is kept: one query
         over at most 16 keys (the small-seq regime) gives ``(1, 16)``; anything else the bucket above
         SHORT_SEQLEN, whatever the lengths (so auto dispatch does not defer short batches, `Backend.defers_to`)."""
-        if max_seqlen_q <= 1 and max_seqlen_kv < _LENGTH_BUCKET:
-            return 1, _LENGTH_BUCKET - 1
+        if max_seqlen_q <= 1 and max_seqlen_kv <= SMALL_SEQLEN:
+            return 1, SMALL_SEQLEN
         return _TRACED_BUCKET, _TRACED_BUCKET
 
     @property
@@ -282,7 +275,8 @@ def clear_cache() -> None:
 
 def describe(params: Params) -> str:
     """One line for logs and errors: what dispatch keyed the call on."""
-    head_dims = str(params.head_dim) if params.head_dim_v == params.head_dim else f"{params.head_dim}/{params.head_dim_v}"
+    head_dims = (str(params.head_dim) if params.head_dim_v == params.head_dim
+                 else f"{params.head_dim}/{params.head_dim_v}")
     return (
         f"{params.kind} {params.device_type} {str(params.dtype).replace('torch.', '')} "
         f"heads {params.heads_q}/{params.heads_kv} d={head_dims}, {params.mask.describe()}"
@@ -290,19 +284,9 @@ def describe(params: Params) -> str:
         + (", lse" if params.return_lse else "")
         + (", deterministic" if params.deterministic else "")
         + (", grad" if params.requires_grad else "")
-        + f", longest {_length_class(params.max_seqlen_q)}"
-        + ("" if params.max_seqlen_kv == params.max_seqlen_q else f"/{_length_class(params.max_seqlen_kv)}")
+        + f", longest {lengths.length_class(params.max_seqlen_q)}"
+        + ("" if params.max_seqlen_kv == params.max_seqlen_q else f"/{lengths.length_class(params.max_seqlen_kv)}")
     )
-
-
-def _length_class(bucketed: int) -> str:
-    """A bucketed length (`Params.bucket`) as the range of real lengths it stands for."""
-    if bucketed < _LENGTH_BUCKET:
-        return str(bucketed)
-    for low, high in ((_LENGTH_BUCKET, TINY_SEQLEN), (TINY_SEQLEN + 1, MID_SEQLEN), (MID_SEQLEN + 1, SHORT_SEQLEN)):
-        if bucketed <= high:
-            return f"{low}-{high}"
-    return f">{SHORT_SEQLEN}"
 
 
 def _log_decision(params: Params, requested: str, chosen: str, listing, decision) -> None:

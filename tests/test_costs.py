@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packattn import costs, dispatch
+from packattn import costs, dispatch, explain, lengths
 from packattn.mask import Mask
 from packattn.ops.runtime import support
 
@@ -219,6 +219,27 @@ def test_compiled_calls_rank_by_the_long_rows(hopper, use_table):
     assert dispatch._select_outside_trace(*dispatch._constant_key(traced), requested="auto") == "triton"
 
 
+def test_the_length_views_agree_at_every_boundary():
+    """One table of regime bounds (`lengths.REGIME_BOUNDS`): the cost table's regime (`costs.regime`), its range
+    (`costs.REGIME_LENGTHS`), dispatch's bucket (`Params.bucket`) and the range ``describe`` prints agree on
+    each side of every boundary, and each range holds the lengths it names."""
+    assert [bound for _, bound in lengths.REGIME_BOUNDS] == [16, lengths.TINY_SEQLEN, lengths.MID_SEQLEN,
+                                                             lengths.SHORT_SEQLEN, None]
+    assert costs.REGIMES == ("small", "tiny", "mid", "short", "long")
+    for n in (16, 17, 128, 129, 256, 257, 512, 513):
+        name, bucketed = costs.regime(n, n), dispatch.Params.bucket(n)
+        assert costs.regime(bucketed, bucketed) == name == lengths.regime(n), n
+        assert dispatch.Params.bucket(bucketed) == bucketed, n
+        params = call(max_seqlen_q=bucketed, max_seqlen_kv=bucketed)
+        shown = dispatch.describe(params).rsplit("longest ", 1)[1]
+        assert shown == (str(n) if name == "small" else costs.REGIME_LENGTHS[name]), n
+        assert explain._key_line(params).endswith(f"(length regime {name}: longest {costs.REGIME_LENGTHS[name]})")
+        text = costs.REGIME_LENGTHS[name]
+        low, high = ((0, int(text[2:])) if text.startswith("<=") else (int(text[1:]) + 1, None) if text[0] == ">"
+                     else tuple(map(int, text.split("-"))))
+        assert low <= n and (high is None or n <= high) and (bucketed == n if name == "small" else bucketed == low)
+
+
 def test_regimes_and_mask_kinds():
     bucket = dispatch.Params.bucket
     lengths = (1, 16, 17, 128, 129, 200, 256, 257, 384, 512, 513, 10**6)
@@ -228,8 +249,7 @@ def test_regimes_and_mask_kinds():
     assert costs.regime(bucket(1), bucket(600)) == "long"  # the longer of queries and keys
     assert costs.regime(bucket(300), bucket(200)) == "short"
     assert list(costs.REGIME_LENGTHS) == list(costs.REGIMES)
-    assert [costs.REGIME_LENGTHS[r] for r in ("tiny", "mid", "short", "long")] == ["17-128", "129-256", "257-512",
-                                                                                 "> 512"]
+    assert [costs.REGIME_LENGTHS[r] for r in costs.REGIMES] == ["<=16", "17-128", "129-256", "257-512", ">512"]
     kinds = [costs.mask_kind(Mask.make(**o), s) for o, s in (
         ({"causal": True}, False), ({"causal": "top_left"}, True), ({"causal": "top_left"}, False), ({}, True),
         ({"window": (8, 8)}, True), ({"causal": True, "window": (8, 0)}, True), ({"chunk_size": 4}, True),
