@@ -1,6 +1,7 @@
 """Host work of a small-seq call (`packattn.ops.small_seq.eager`): the aten ops and kernel launches per
 forward and forward+backward (launches stubbed out: counted, not run), and the cached launch plans
-against the path that builds every launch (same kernels, same arguments, bitwise the same results)."""
+against the path that builds every launch (same kernels, same arguments, bitwise the same results).
+The plan cache's key, the fallbacks of torch internals, torch.func and double backward: test_small_seq_plans.py."""
 
 import collections
 
@@ -12,6 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import packattn
 from packattn.ops.runtime import fast_launch
 from packattn.ops.small_seq import configs, eager, op
+
+
+@pytest.fixture(autouse=True)
+def no_plans(monkeypatch):
+    """Each test starts with no cached plan: test order does not matter."""
+    monkeypatch.setattr(eager, "_plans", {})
 
 
 class CountOps(TorchDispatchMode):
@@ -68,9 +75,14 @@ def test_ops_and_launches_per_call(launches, pad):
 
 
 def run_fb(q, k, v, seqs, dout, dlse_scale):
+    """Forward and backward; ``dlse_scale`` None: lse unused (its backward gets no dlse)."""
     out, lse = attend(q, k, v, seqs, return_lse=True)
-    loss = (out.float() * dout.float()).sum() + dlse_scale * torch.nan_to_num(lse, neginf=0.0).sum()
-    return (out, lse, *torch.autograd.grad(loss, (q, k, v)))
+    return (out, lse, *torch.autograd.grad(loss_of(out, lse, dout, dlse_scale), (q, k, v)))
+
+
+def loss_of(out, lse, dout, dlse_scale):
+    loss = (out.float() * dout.float()).sum()
+    return loss if dlse_scale is None else loss + dlse_scale * torch.nan_to_num(lse, neginf=0.0).sum()
 
 
 @pytest.mark.parametrize("heads,pad,dlse", [((8, 2), None, 0.0), ((4, 4), 2, 0.5), ((8, 1), None, 0.25)])
@@ -93,17 +105,17 @@ def test_plan_matches_the_built_launch(launches, heads, pad, dlse):
                 assert type(x) is type(y) and x == y
 
 
-@pytest.mark.parametrize("heads,pad,dlse", [((4, 2), None, 0.0), ((2, 2), 2, 0.5)])
+@pytest.mark.parametrize("heads,pad,dlse", [((4, 2), None, 0.0), ((2, 2), 2, 0.5), ((4, 1), 2, None)])
 def test_plan_results_equal_the_regular_path(heads, pad, dlse):
     """Kernels run (interpreter): the cached-plan path gives bitwise the results of the regular eager path
-    (the autograd function over the custom op's implementation), forward and backward, lse gradient included."""
+    (the autograd function over the custom op's implementation), forward and backward, lse gradient included
+    (dlse None: the gradient flows through out alone)."""
     seqs, q, k, v, dout = make_inputs([16, 3, 1, 7, 0], heads=heads, pad=pad)
     first, fast = run_fb(q, k, v, seqs, dout, dlse), run_fb(q, k, v, seqs, dout, dlse)
     items = op.item_table(seqs)
     padded = (seqs.cu_seqlens_q_padded is not None, seqs.cu_seqlens_kv_padded is not None)
     out, lse = op._SmallSeqFwdEager.apply(q, k, v, items, q.shape[-1] ** -0.5, *padded, 0)
-    loss = (out.float() * dout.float()).sum() + dlse * torch.nan_to_num(lse, neginf=0.0).sum()
-    regular = (out, lse, *torch.autograd.grad(loss, (q, k, v)))
+    regular = (out, lse, *torch.autograd.grad(loss_of(out, lse, dout, dlse), (q, k, v)))
     for a, b, c in zip(first, fast, regular):
         assert torch.equal(a, b) and torch.equal(b, c)
 
@@ -129,7 +141,6 @@ def test_override_and_misalignment(launches):
 
 
 def test_plans_are_bounded(launches, monkeypatch):
-    monkeypatch.setattr(eager, "_plans", {})
     monkeypatch.setattr(eager, "_PLANS_MAX", 3)
     for n in range(1, 6):
         seqs, q, k, v, _ = make_inputs([4] * n, heads=(2, 1), dtype=torch.bfloat16)

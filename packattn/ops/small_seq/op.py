@@ -21,6 +21,7 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from packattn.ops.runtime import fast_launch, fast_op
 from packattn.ops.runtime.launch import (
@@ -67,6 +68,54 @@ def dense_items(kv_lengths: torch.Tensor, seqlen_kv: int) -> torch.Tensor:
     b = torch.arange(kv_lengths.shape[0], device=kv_lengths.device, dtype=torch.int32)
     lens = kv_lengths.clamp(0, seqlen_kv).to(torch.int32)
     return torch.stack([b, b * seqlen_kv, lens]).contiguous()
+
+
+# ---------------------------------------------------------------- the kernels' tensor arguments
+# Each kernel takes its tensors first (`fwd_tensors`, `bwd_tensors`: FWD_TENSORS / BWD_TENSORS of them), then
+# their strides and the launch's scalars. `packattn.ops.small_seq.eager` repeats a launch with new tensors
+# built by these same functions and keeps everything after the first FWD_TENSORS / BWD_TENSORS arguments.
+FWD_TENSORS = 8
+BWD_TENSORS = 11
+
+
+def fwd_tensors(q, k, v, out, lse, rows: tuple) -> tuple:
+    """The forward kernel's tensor arguments; ``rows``: the item table's ``(q_rows, kv_starts, kv_lens)``."""
+    return (q, k, v, out, lse, *rows)
+
+
+def bwd_tensors(q, k, v, dout, dlse, dq, dk, dv, rows: tuple) -> tuple:
+    """The backward kernel's tensor arguments (``rows`` as in `fwd_tensors`)."""
+    return (q, k, v, dout, dlse, dq, dk, dv, *rows)
+
+
+def fwd_outputs(q: torch.Tensor, padded_q: bool) -> tuple:
+    """``(out, lse)`` for the forward kernel: ``padded_q``: zeros / -inf on the rows of no item (the
+    kernel writes only item rows)."""
+    shape_lse = (q.shape[1], q.shape[0])
+    if padded_q:
+        return q.new_zeros(q.shape), q.new_full(shape_lse, float("-inf"), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(shape_lse, dtype=torch.float32)
+
+
+def bwd_grads(dout, dlse, q) -> tuple:
+    """``(dout, dlse, has_dlse)`` as the backward kernel takes them: dout zeros when None (only lse had a
+    gradient) and last-dim contiguous; dlse contiguous, or dout as a placeholder pointer when None (the
+    kernel's HAS_DLSE is off then)."""
+    if dout is None:
+        dout = torch.zeros_like(q)
+    elif dout.stride()[-1] != 1:
+        dout = dout.contiguous()
+    if dlse is None:
+        return dout, dout, False
+    return dout, dlse.contiguous(), True
+
+
+def bwd_outputs(q, k, v, padded_q: bool, padded_kv: bool) -> tuple:
+    """``(dq, dk, dv)`` for the backward kernel: zeros where ``padded_q`` / ``padded_kv`` (rows of no item)."""
+    dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
+    if padded_kv:
+        return dq, k.new_zeros(k.shape), v.new_zeros(v.shape)
+    return dq, k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ---------------------------------------------------------------- launchers / custom ops
@@ -149,12 +198,10 @@ def _small_seq_fwd(
 def fwd_impl(q, k, v, rows: tuple, num_items: int, scale: float, padded_q: bool):
     """`_small_seq_fwd` on the item table's rows ``rows``: ``(out, lse, launched)`` (`_launch`'s result)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    total_q, heads_q, head_dim = q.shape
+    heads_q, head_dim = q.shape[1], q.shape[2]
     heads_kv = k.shape[1]
-    out = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
-    lse = torch.full((heads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device) if padded_q else \
-        torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, *rows,
+    out, lse = fwd_outputs(q, padded_q)
+    args = (*fwd_tensors(q, k, v, out, lse, rows),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0))
     group = heads_q // heads_kv
@@ -183,15 +230,12 @@ def _small_seq_bwd(
 def bwd_impl(dout, dlse, q, k, v, rows: tuple, num_items: int, scale: float, padded_q: bool, padded_kv: bool,
              kv_fill: int):
     """`_small_seq_bwd` on the item table's rows ``rows``: ``(dq, dk, dv, launched)`` (`_launch`'s result)."""
-    dout, q, k, v = (_last_dim_contiguous(x) for x in (dout, q, k, v))
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    dout, dlse, has_dlse = bwd_grads(dout, dlse, q)
     heads_q, head_dim = q.shape[1], q.shape[2]
     heads_kv = k.shape[1]
-    has_dlse = dlse is not None
-    dlse = dlse.contiguous() if has_dlse else dout  # placeholder pointer when there is none
-    dq = q.new_zeros(q.shape) if padded_q else q.new_empty(q.shape)
-    dk = k.new_zeros(k.shape) if padded_kv else k.new_empty(k.shape)
-    dv = v.new_zeros(v.shape) if padded_kv else v.new_empty(v.shape)
-    args = (q, k, v, dout, dlse, dq, dk, dv, *rows,
+    dq, dk, dv = bwd_outputs(q, k, v, padded_q, padded_kv)
+    args = (*bwd_tensors(q, k, v, dout, dlse, dq, dk, dv, rows),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dlse.stride(0),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
@@ -231,9 +275,7 @@ def _backward_through(bwd):
 
 
 small_seq_fwd.register_autograd(_backward_through(small_seq_bwd), setup_context=_setup_context)
-_SmallSeqFwdEager = fast_op.eager_function(_small_seq_fwd, _setup_context, _backward_through(_small_seq_bwd))
-
-
-def small_seq_fwd_call(*args):
-    """``packattn::small_seq_fwd(*args)`` through `fast_op.call` (a plain autograd function in eager mode)."""
-    return fast_op.call(small_seq_fwd, _SmallSeqFwdEager.apply, *args)
+# the kernels' gradients are not differentiable: a double backward (create_graph=True) raises instead of
+# silently dropping the second-order terms
+_SmallSeqFwdEager = fast_op.eager_function(_small_seq_fwd, _setup_context,
+                                           once_differentiable(_backward_through(_small_seq_bwd)))
