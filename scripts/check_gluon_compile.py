@@ -18,6 +18,7 @@ without a GPU, for every mask combination and head dim, and check what matters b
     python scripts/check_gluon_compile.py --dump /tmp/gluon_asm   # also write ttgir/ptx per variant
     python scripts/check_gluon_compile.py --config 64,64,3,4      # block_m,block_n,stages,num_warps[,trim]
     python scripts/check_gluon_compile.py --head-dims 256 --config 128,32,3,8,lazy=8   # lazy rescaling
+    python scripts/check_gluon_compile.py --head-dims 256 --config 128,64,2,8,split   # separate K / V barriers
     python scripts/check_gluon_compile.py --selected              # every table entry of packattn.ops.varlen.configs
 """
 
@@ -66,7 +67,7 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
 
 
 def parse_config(text: str) -> GluonConfig:
-    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T]"`` as a `GluonConfig` (``lazy=T``:
+    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]"`` as a `GluonConfig` (``lazy=T``:
     ``rescale_threshold=T``)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     extra = {"trim": False}
@@ -74,12 +75,14 @@ def parse_config(text: str) -> GluonConfig:
         name, _, value = part.partition("=")
         if part == "trim":
             extra["trim"] = True
+        elif part == "split":
+            extra["split_kv"] = True
         elif name == "lazy" and value:
             extra["rescale_threshold"] = float(value)
         else:
-            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T]")
+            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
     if len(parts) < 4:
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T]")
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
     return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 
@@ -102,7 +105,8 @@ def table_key(dims: tuple[int, int]):
 
 def label_of(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
-            + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}"))
+            + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}")
+            + (",split" if cfg.split_kv else ""))
 
 
 def selected_configs(dims) -> list[GluonConfig]:
@@ -396,7 +400,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim][,lazy=T]")
+                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

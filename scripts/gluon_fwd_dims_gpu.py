@@ -19,9 +19,9 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 
-``--opt-in``: instead, lazy rescaling (`GluonConfig.rescale_threshold`, the thresholds of `OPT_IN`) on each dim's
-table config, at every forward head dim (64, 96, 128, 192, 256, MLA) and mask (causal both alignments, none, window,
-chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence
+``--opt-in``: instead, the variants of `OPT_IN` (lazy rescaling, `GluonConfig.rescale_threshold`; separate K / V
+barriers, `GluonConfig.split_kv`; other tiles) on each dim's table config, at every forward head dim (64, 96, 128,
+192, 256, MLA) and mask (causal both alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence
 x (1 + 3 t / len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal
 too; each line gives the table config's errors beside. ~60 compiles.
 
@@ -67,6 +67,11 @@ MASKS = {"causal": {"causal": True}, "causal-tl": {"causal": "top_left"}, "none"
 OPT_IN = {
     "lazy8": ({"rescale_threshold": 8.0}, None, ("causal", "causal-tl", "none", "window", "chunk")),
     "lazy0": ({"rescale_threshold": 0.0}, ((64, 64), (256, 256), (192, 128)), ("causal", "window")),
+    "split": ({"split_kv": True}, None, ("causal", "causal-tl", "window", "chunk")),
+    "split-k64": ({"block_n": 64, "stages": 2, "split_kv": True}, ((256, 256),), ("causal", "none", "window")),
+    "split-trim": ({"block_n": 64, "stages": 4, "trim": True, "split_kv": True}, ((128, 128),),
+                   ("causal", "window", "chunk")),
+    "rows64": ({"block_m": 64, "num_warps": 4, "stages": 2}, ((64, 64),), ("causal", "window")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)
@@ -207,11 +212,14 @@ def correctness(all_dims) -> int:
     return bad
 
 
-def opt_in_correctness(all_dims) -> int:
-    """`OPT_IN` variants on each dim's table config against the float64 reference (module docstring)."""
+def opt_in_correctness(all_dims, only=None) -> int:
+    """`OPT_IN` variants (``only``: those named) on each dim's table config against the float64 reference (module
+    docstring)."""
     seqs = Varlen.from_lengths(LENGTHS_Q, LENGTHS_KV, device=DEVICE)
     cases = []
-    for fields, dims_list, masks in OPT_IN.values():
+    for name, (fields, dims_list, masks) in OPT_IN.items():
+        if only is not None and name not in only:
+            continue
         for dims in all_dims:
             if dims_list is not None and dims not in dims_list:
                 continue
@@ -231,7 +239,8 @@ def opt_in_correctness(all_dims) -> int:
 
 def _cfg(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}" + ("t" if cfg.trim else "")
-            + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}"))
+            + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}")
+            + (" split" if cfg.split_kv else ""))
 
 
 def median_ms(fn) -> float:
@@ -284,13 +293,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", nargs="+", type=parse_dims, default=list(CANDIDATES))
     parser.add_argument("--no-time", action="store_true")
-    parser.add_argument("--opt-in", action="store_true", help="check the opt-in softmax variants (OPT_IN) instead")
+    parser.add_argument("--opt-in", action="store_true", help="check the opt-in variants (OPT_IN) instead")
+    parser.add_argument("--only", nargs="+", default=None, help="with --opt-in: these OPT_IN variants")
     args = parser.parse_args()
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     check_reference_against_oracle()
     if args.opt_in:
-        bad = opt_in_correctness(args.dims if "--dims" in sys.argv else ALL_DIMS)
+        bad = opt_in_correctness(args.dims if "--dims" in sys.argv else ALL_DIMS, args.only)
         print(f"{'FAILED' if bad else 'PASSED'}: {bad} correctness failure(s), {time.time() - started:.0f} s")
         return 1 if bad else 0
     bad = correctness(args.dims)

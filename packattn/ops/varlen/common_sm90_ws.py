@@ -37,6 +37,14 @@ def _opaque_num_programs(like):
 
 
 @gluon.jit
+def _opaque_i32(x):
+    """``x`` (an int32 scalar) through inline asm LLVM may not hoist or merge: what a partition computes from it
+    stays inside the partition's loop instead of moving to the kernel's entry block, whose values live across
+    setmaxnreg, where ptxas spills them."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _program_id(like, OPAQUE_PID: gl.constexpr):
     """The program id; ``OPAQUE_PID``: read through inline asm that LLVM may not merge with an earlier
     read (``like``: any int32 scalar, the asm's dummy operand), so that the consumers' epilogue decodes
@@ -93,9 +101,10 @@ def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 # ---------------------------------------------------------------- the warp-specialised forward's pieces
 @gluon.jit
 def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
+                HEAD_DIM: gl.constexpr, SPLIT_KV: gl.constexpr = False):
     """Shared memory of the warp-specialised forward, barriers initialised: ``(q_smem, k_bufs, v_bufs,
-    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group."""
+    q_bar, q_empty, ready, empty)``; ``q_empty`` and ``empty`` count one arrival per consumer warp group.
+    ``SPLIT_KV``: the ring has ``2 STAGES`` barriers each, ``[slot]`` for K and ``[STAGES + slot]`` for V."""
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -104,7 +113,7 @@ def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
+    ready, empty = _ring_barriers(STAGES * (2 if SPLIT_KV else 1), NUM_CONSUMERS)
     return q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty
 
 

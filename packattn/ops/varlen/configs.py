@@ -141,6 +141,9 @@ class GluonConfig:
     # when a block's max exceeds it by more than this (P <= 2^t: at most 15, fp16's P operand), and a consumer
     # warp group skips the O rescale when none of its rows moved.
     rescale_threshold: float | None = None
+    # separate K and V barriers in the ring: a slot's K goes back to the producer once S is done, its V once PV
+    # is, so the next K loads under the softmax and PV (False: one barrier for both, released after PV)
+    split_kv: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):

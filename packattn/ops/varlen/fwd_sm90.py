@@ -48,34 +48,56 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _load_kv_block, _rows_any, _scale_acc,
                                                _softmax_any, _to_operand, _zero_v_tail, mma_layout, tail_chunk)
-from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
-from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_kv_parts, _load_q_parts, _part_buffers, _pv_lo,
-                                                _store_cols, lo_mma_layout, part_hi, parts_ok)
+from packattn.ops.varlen.common_sm90_ws import (_opaque_i32, _work_item, _ws_buffers, _ws_epilogue, _ws_load_q,
+                                                _ws_tile_start)
+from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_kv_parts, _load_kv_split, _load_q_parts,
+                                                _part_buffers, _pv_lo, _store_cols, lo_mma_layout, part_hi, parts_ok)
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block, row0_kv, n_lo,
-             col_kv, head_kv, num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             HEAD_DIM_V: gl.constexpr, PLAIN: gl.constexpr):
-    """One ring block's K and V (`common_sm90._load_kv_block`; not ``PLAIN``: `fwd_sm90_parts._load_kv_parts`,
-    K at ``col_kv``, V at kv head ``head_kv``'s columns of its own head dim)."""
-    if PLAIN:
-        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, col_kv, num_blocks, STAGES,
-                       BLOCK_N)
-    else:
+def _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block, row0_kv,
+             n_lo, col_kv, head_kv, num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             HEAD_DIM_V: gl.constexpr, PLAIN: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """One ring block's K and V once the consumers released its slot (`common_sm90._load_kv_block`; not
+    ``PLAIN``: `fwd_sm90_parts._load_kv_parts`, K at ``col_kv``, V at kv head ``head_kv``'s columns of its own head
+    dim; ``SPLIT_KV``: `fwd_sm90_parts._load_kv_split`, K and V each after its own release)."""
+    if SPLIT_KV:
         if HEAD_DIM_V == HEAD_DIM:
             col_v = col_kv
         else:
             col_v = head_kv * HEAD_DIM_V
-        _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block,
-                       row0_kv, n_lo, col_kv, col_v, num_blocks, STAGES, BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
+        _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block,
+                       row0_kv, n_lo, col_kv, col_v, STAGES, BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
+    else:
+        if PLAIN:
+            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, col_kv, num_blocks, STAGES,
+                           BLOCK_N)
+        else:
+            if HEAD_DIM_V == HEAD_DIM:
+                col_v = col_kv
+            else:
+                col_v = head_kv * HEAD_DIM_V
+            _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block,
+                           row0_kv, n_lo, col_kv, col_v, num_blocks, STAGES, BLOCK_N, k_bufs.shape[2],
+                           v_bufs.shape[2])
+
+
+@gluon.jit
+def _wait_slot(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """Producer, one barrier a slot: wait until the consumers released ring block ``block``'s slot (``SPLIT_KV``:
+    nothing here, `fwd_sm90_parts._load_kv_split` waits for K's and V's release each)."""
+    if SPLIT_KV:
+        pass
+    else:
+        mbarrier.wait(empty.index(block % STAGES), ((block // STAGES) & 1) ^ 1)
 
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q, cu_seqlens_kv,
                  row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work, heads_per_section, q_smem, k_bufs,
                  v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, HEAD_DIM: gl.constexpr,
-                 HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
+                 HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
+                 SPLIT_KV: gl.constexpr = False):
     """TMA partition (one warp). Per tile: the first K/V block (if any), then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
     the blocks, each into the next ring slot once ``empty`` says both consumers released it.
@@ -89,20 +111,20 @@ def _ws_producer(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles,
         if seq >= 0:
             first = gl.minimum(num_blocks, 1)
             for b in range(0, first):
-                mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
-                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block + b,
-                         row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks, STAGES,
-                         BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN)
+                _wait_slot(empty, block + b, STAGES, SPLIT_KV)
+                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty,
+                         block + b, row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks,
+                         STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN, SPLIT_KV)
             if PLAIN:
                 _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row0_q + q_start, head * HEAD_DIM)
             else:
                 _load_q_parts(q_desc, q_lo_desc, q_smem, q_lo, q_bar, q_empty, loads_q, row0_q + q_start,
                               head * HEAD_DIM, part_hi(HEAD_DIM))
             for b in range(first, num_blocks):
-                mbarrier.wait(empty.index((block + b) % STAGES), (((block + b) // STAGES) & 1) ^ 1)
-                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block + b,
-                         row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks, STAGES,
-                         BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN)
+                _wait_slot(empty, block + b, STAGES, SPLIT_KV)
+                _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty,
+                         block + b, row0_kv, n_lo - block * BLOCK_N, col_kv, head // group_size, block + num_blocks,
+                         STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V, PLAIN, SPLIT_KV)
             block += num_blocks
             loads_q += 1
 
@@ -149,15 +171,17 @@ def _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, wi
 @gluon.jit
 def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num_blocks, len_kv, ntail,
                     WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, v_lo_bufs=None):
+                    STAGES: gl.constexpr, v_lo_bufs=None, SPLIT_KV: gl.constexpr = False):
     """``TRIM``: blocks ``b_from .. b_to - 1`` of the tile (ring blocks ``base + b``) that this consumer does not
     compute: wait until each is loaded (so that this arrival on ``empty`` counts for this block's phase, not
     for the other consumer's previous use of the slot), zero this group's part of the V tail if it is the
     tile's last block and crosses the sequence end (the other group meets it there, `_ws_zero_v_tail`), and
-    release the slot. Returns ``ntail``."""
+    release the slot (``SPLIT_KV``: its K and its V barriers). Returns ``ntail``."""
     for b in range(b_from, b_to):
         slot = (base + b) % STAGES
         mbarrier.wait(ready.index(slot), ((base + b) // STAGES) & 1)
+        if SPLIT_KV:
+            mbarrier.wait(ready.index(STAGES + slot), ((base + b) // STAGES) & 1)
         if (b == num_blocks - 1) & (n_lo + num_blocks * BLOCK_N > len_kv):
             v_lo_buf = None
             if v_lo_bufs is not None:
@@ -166,7 +190,52 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
                             BLOCK_N, HEAD_DIM, v_lo_buf)
             ntail += 1
         mbarrier.arrive(empty.index(slot), count=1)
+        if SPLIT_KV:
+            mbarrier.arrive(empty.index(STAGES + slot), count=1)
     return ntail
+
+
+@gluon.jit
+def _v_bar(block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """The ring barrier index of ring block ``block``'s V: ``STAGES + slot`` with ``SPLIT_KV``, else the slot's
+    one barrier (K's too)."""
+    slot = block % STAGES
+    if SPLIT_KV:
+        slot = slot + STAGES
+    return slot
+
+
+@gluon.jit
+def _wait_v(ready, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """``SPLIT_KV``: wait until ring block ``block``'s V has landed (without it, K's wait covered V)."""
+    if SPLIT_KV:
+        mbarrier.wait(ready.index(STAGES + block % STAGES), (block // STAGES) & 1)
+
+
+@gluon.jit
+def _release_k(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """``SPLIT_KV``: ring block ``block``'s S is done, its K slot goes back to the producer (without it, the
+    slot goes back once PV is done)."""
+    if SPLIT_KV:
+        mbarrier.arrive(empty.index(block % STAGES), count=1)
+
+
+@gluon.constexpr_function
+def q_desc_in_loop(head_dim, head_dim_v, block_n):
+    """Does the consumer build Q's wgmma descriptors per S inside the loop (`_q_view`)? At d = 256 with 64-key
+    blocks: hoisted, Q's 16 descriptors take registers those blocks need (ptxas spills); elsewhere they stay
+    hoisted (the kernel's code as without this)."""
+    return int(head_dim) == 256 and int(head_dim_v) == 256 and int(block_n) >= 64
+
+
+@gluon.jit
+def _q_view(q_wg, like, Q_WG: gl.constexpr):
+    """The consumer's 64 rows of Q for one S: ``q_wg`` itself, or with ``Q_WG >= 0`` (`q_desc_in_loop`) rows
+    ``64 Q_WG ...`` of ``q_wg`` (then Q's whole buffer as ``[1, rows, d]``, the same bytes) indexed by a zero
+    LLVM cannot hoist (inline asm of ``like``, any int32 scalar of the loop)."""
+    if Q_WG >= 0:
+        q_wg = q_wg.index(_opaque_i32(like * 0)).slice(Q_WG * 64, 64, dim=0)
+    return q_wg
 
 
 @gluon.constexpr_function
@@ -205,33 +274,40 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None,
-               RESCALE_THRESHOLD: gl.constexpr = None):
+               RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False, Q_WG: gl.constexpr = -1):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
     through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
     operands: the second column parts (`fwd_sm90_parts`) or None; with ``v_lo_bufs`` the output accumulator
     ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
-    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`."""
+    tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`. ``SPLIT_KV``: block j's K goes
+    back through ``empty[slot]`` once S[j] is done, its V through ``empty[STAGES + slot]`` once PV[j] is, and PV[j]
+    waits for ``ready[STAGES + slot]``. ``Q_WG``: `_q_view`."""
     dtype: gl.constexpr = q_wg.dtype
     acc_lo = None
     if v_lo_bufs is not None:
         acc, acc_lo = acc
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base, s_zero, STAGES), ))
+    s = warpgroup_mma_wait(0, deps=(_issue_qk_parts(_q_view(q_wg, base, Q_WG), q_lo_wg, k_bufs, k_lo_bufs, ready, base,
+                                                    s_zero, STAGES), ))
+    _release_k(empty, base, STAGES, SPLIT_KV)
     p, alpha, m_i, l_i, rescale = _attend_softmax(s, m_i, l_i, offs_m, offs_n, n_lo, n_mid_lo, n_mid_hi, len_q,
                                                   len_kv, qk_scale_log2, window_left, window_right, chunk_size,
                                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
     p_op = _to_operand(p, dtype, o_layout)
     for j in range(0, num_blocks - 1):
-        s_tok = _issue_qk_parts(q_wg, q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero, STAGES)
+        s_tok = _issue_qk_parts(_q_view(q_wg, j, Q_WG), q_lo_wg, k_bufs, k_lo_bufs, ready, base + j + 1, s_zero,
+                                STAGES)
         # blocks before the last never cross the sequence end: no V tail to zero here
         acc = _scale_acc(acc, alpha, rescale, o_layout)
+        _wait_v(ready, base + j, STAGES, SPLIT_KV)
         acc_tok = warpgroup_mma(p_op, v_bufs.index((base + j) % STAGES), acc, is_async=True)
         if v_lo_bufs is None:
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S[j+1] done; PV[j] keeps the tensor cores busy
         else:
             lo_tok = _pv_lo(p_op, alpha, acc_lo, v_lo_bufs.index((base + j) % STAGES), o_lo_layout, rescale)
             s = warpgroup_mma_wait(2, deps=(s_tok, ))  # S[j+1] done; PV[j]'s two parts keep running
+        _release_k(empty, base + j + 1, STAGES, SPLIT_KV)
         p, alpha, m_i, l_i, rescale = _attend_softmax(
             s, m_i, l_i, offs_m, offs_n, n_lo + (j + 1) * BLOCK_N, n_mid_lo, n_mid_hi, len_q, len_kv, qk_scale_log2,
             window_left, window_right, chunk_size, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, RESCALE_THRESHOLD)
@@ -239,7 +315,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
         else:
             acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, lo_tok))
-        mbarrier.arrive(empty.index((base + j) % STAGES), count=1)  # this warp group is done with block j
+        mbarrier.arrive(empty.index(_v_bar(base + j, STAGES, SPLIT_KV)), count=1)  # this group is done with V[j]
         p_op = _to_operand(p, dtype, o_layout)
     mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
@@ -247,6 +323,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
     v_lo_buf = None
     if v_lo_bufs is not None:
         v_lo_buf = v_lo_bufs.index((base + last) % STAGES)
+    _wait_v(ready, base + last, STAGES, SPLIT_KV)
     if n_lo + num_blocks * BLOCK_N > len_kv:  # only the last block can cross the sequence end
         _ws_zero_v_tail(v_buf, n_lo + last * BLOCK_N, len_kv, ntail, wg_bars, WG, NUM_CONSUMERS, BLOCK_N, HEAD_DIM,
                         v_lo_buf)
@@ -258,7 +335,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
         acc_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, _pv_lo(p_op, alpha, acc_lo, v_lo_buf, o_lo_layout,
                                                                   rescale)))
-    mbarrier.arrive(empty.index((base + last) % STAGES), count=1)
+    mbarrier.arrive(empty.index(_v_bar(base + last, STAGES, SPLIT_KV)), count=1)
     if v_lo_bufs is not None:
         acc = (acc, acc_lo)
     return acc, m_i, l_i, ntail
@@ -271,16 +348,20 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr,
-                 RESCALE_ARG: gl.constexpr = -1.0):
+                 RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
-    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it.
+    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`.
     The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, DV_HI)
     o_lo_layout: gl.constexpr = lo_mma_layout(HEAD_DIM_V)
-    q_wg = q_smem.slice(WG * 64, 64, dim=0)
+    Q_WG: gl.constexpr = WG if q_desc_in_loop(HEAD_DIM, HEAD_DIM_V, BLOCK_N) else -1
+    if Q_WG >= 0:  # (`_q_view`)
+        q_wg = q_smem._reinterpret(q_smem.dtype, [1, 64 * NUM_CONSUMERS, q_smem.shape[1]], q_smem.layout)
+    else:
+        q_wg = q_smem.slice(WG * 64, 64, dim=0)
     q_lo_wg = None  # (None where the dim has one part: the buffers passed then are stand-ins)
     if part_hi(HEAD_DIM) != HEAD_DIM:
         q_lo_wg = q_lo.slice(WG * 64, 64, dim=0)
@@ -305,25 +386,25 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                 b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
                                              chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv,
-                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs)
+                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
                 if b_hi > b_lo:
                     acc, m_i, l_i, ntail = _ws_attend(
                         q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
                         BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs,
-                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG))
+                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG)
                 else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
-                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs)
+                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
             elif num_blocks > 0:
                 acc, m_i, l_i, ntail = _ws_attend(
                     q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout,
-                    _rescale_threshold(RESCALE_ARG))
+                    _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG)
             else:
                 mbarrier.arrive(q_empty, count=1)
             if o_lo_layout is not None:
@@ -343,13 +424,13 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0):
+                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
                  q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG)
+                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, SPLIT_KV)
 
 
 @gluon.jit
@@ -362,7 +443,7 @@ def varlen_fwd_gluon_ws_kernel(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None,
+    TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
@@ -370,7 +451,7 @@ def varlen_fwd_gluon_ws_kernel(
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
     ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
-    (`common_sm90._new_max`)."""
+    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -384,14 +465,14 @@ def varlen_fwd_gluon_ws_kernel(
 
     if PLAIN:
         q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty = _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
-                                                                           STAGES, HEAD_DIM)
+                                                                           STAGES, HEAD_DIM, SPLIT_KV)
         q_lo = q_smem  # (no second parts: unused, `fwd_sm90_parts._part_buffers`)
         k_lo_bufs = k_bufs
         v_lo_bufs = v_bufs
     else:
         q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty = _part_buffers(
             q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, BLOCK_M, BLOCK_N, STAGES, part_hi(HEAD_DIM),
-            part_hi(HEAD_DIM_V))
+            part_hi(HEAD_DIM_V), SPLIT_KV)
     # [0]: the consumer groups' V-tail meeting (`_ws_zero_v_tail`). [1] and [2] are never waited on; they stay
     # allocated and initialised so that the kernel's PTX stays the one that was benchmarked.
     wg_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -406,17 +487,17 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD))),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                                   _rescale_arg(RESCALE_THRESHOLD))),
+                                   _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
-                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
+                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN, SPLIT_KV)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -425,9 +506,9 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD))),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
-                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN)),
+                            ready, empty, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, PLAIN, SPLIT_KV)),
         ], [1], [PRODUCER_REGS])

@@ -32,8 +32,8 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_di
     """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``) and the
     mbarriers."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size
-            + 8 * (2 + 2 * cfg.stages))
+    ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)
+    return (cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size + 8 * (2 + ring_bars)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,9 +139,10 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
 
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
-    """The forward kernel's constexpr of ``cfg``'s lazy rescaling: ``RESCALE_THRESHOLD``, None (off) or a float."""
+    """The forward kernel's constexprs of ``cfg``'s variants: ``RESCALE_THRESHOLD`` (lazy rescaling), None (off) or
+    a float; ``SPLIT_KV`` (separate K and V ring barriers)."""
     t = cfg.rescale_threshold
-    return {"RESCALE_THRESHOLD": None if t is None else float(t)}
+    return {"RESCALE_THRESHOLD": None if t is None else float(t), "SPLIT_KV": cfg.split_kv}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
