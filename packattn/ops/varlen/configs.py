@@ -156,13 +156,15 @@ class GluonConfig:
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
-# fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 32-key blocks, 3
-# stages (Q 64 KB + 3 x 32 KB = 160 KB; the 64 x 256 float32 output takes 128 of a consumer's registers), the
-# best of three on D256 / S512d256 (NOTES.md, v33), with lazy rescaling: its O rescale (128 multiplies per thread
-# a block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35).
-# 96, 192 and MLA: the best of two configs that compile for sm_90a without spills (NOTES.md, v34).
+# fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 64-key blocks, 2
+# stages (Q 64 KB + 2 x 64 KB = 192 KB; the 64 x 256 float32 output takes 128 of a consumer's registers) with
+# separate K / V barriers, so the next K loads under the softmax and PV (NOTES.md, v37: 1.24x over 32-key blocks
+# in 3 stages, whose Q reads bound them), and lazy rescaling: its O rescale (128 multiplies per thread a block)
+# costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split barriers
+# gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills (v34).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8), 96: GluonConfig(128, 128, 3, 8), 128: GluonConfig(128, 128, 3, 8),
-           192: GluonConfig(128, 64, 3, 8), 256: GluonConfig(128, 32, 3, 8, rescale_threshold=8.0),
+           192: GluonConfig(128, 64, 3, 8),
+           256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True),
            (192, 128): GluonConfig(128, 64, 4, 8), (128, 64): GluonConfig(128, 128, 4, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
 LONG_CONFIGS = dict(CONFIGS)
@@ -231,6 +233,9 @@ class GluonBwdConfig:
     # dK/dV only: the key-split kernel (`launch_sm90_ksplit`, d = 192 / 256): block_m 64 queries a step, block_n
     # 64 keys, num_warps 8 (two consumer warp groups of 32 keys' S / dP each)
     key_split: bool = False
+    # dQ only: the dQ pass computes delta from O (O's tile in shared memory, no preprocess kernel;
+    # `op.fuses_delta`); False: the preprocess computes delta and the dQ pass has that shared memory for its ring
+    fused_delta: bool = True
 
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of

@@ -217,11 +217,12 @@ def _varlen_bwd_planned(plan: BwdPlan, dout, dlse, q, k, v, out, lse, tables, pa
 def fuses_delta(plan: BwdPlan, dlse: torch.Tensor | None) -> bool:
     """Does the backward skip the preprocess and let the dQ pass compute delta (`launch_sm90.gluon_dq` with O)?
     Yes when both passes are the Gluon ones (the dK/dV pass reads delta only on rows of sequences and takes
-    P = 0 where lse = -inf) and there is no ``dlse`` (its term stays in the preprocess). The dQ pass then runs
+    P = 0 where lse = -inf), the dQ config fuses it (`configs.GluonBwdConfig.fused_delta`) and there is no
+    ``dlse`` (its term stays in the preprocess). The dQ pass then runs
     first, on ``delta = zeros_like(lse)``: the rows of tiles without any key block keep 0, which P = 0 cancels
     (uninitialised memory could hold NaN, and 0 * NaN is NaN). The float32 row sums run in another order than
     the preprocess's: results are close to, not bitwise, the unfused backward's."""
-    return dlse is None and plan.dkdv is not None and plan.dq is not None
+    return dlse is None and plan.dkdv is not None and plan.dq is not None and plan.dq.fused_delta
 
 
 varlen_bwd = torch.library.custom_op("packattn::varlen_bwd", _varlen_bwd, mutates_args=())
