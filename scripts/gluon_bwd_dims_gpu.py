@@ -4,7 +4,8 @@
 The default tables (`configs.DKDV_CONFIGS` / `DQ_CONFIGS`) run these dims on the part kernels (dK/dV at d = 192: the
 key-split kernel, `bwd_dkdv_sm90_ksplit`, also checked by scripts/ksplit_gpu.py); the script checks:
 
-* the plan: `op.bwd_plan` picks the Gluon passes and `op.fuses_delta` (the dQ computes delta);
+* the plan: `op.bwd_plan` picks the Gluon passes and `op.fuses_delta` as the dQ config says (`fused_delta`: the dQ
+  computes delta);
 * correctness: `packattn.attention` forward + backward against the float32 reference (tests/gpu
   `check_against_reference`: relative L2 < 1e-2 of out, lse, dq, dk, dv; lse = -inf on the same rows; no NaN) on
   lengths that are not multiples of the blocks, with empty and length-1 sequences and padding between
@@ -90,7 +91,7 @@ def plan_line(dims) -> tuple[bool, str]:
     q, k, v, _ = make_inputs(seqs, (8, 2), dims)
     plan = op.bwd_plan(q, k, v)
     want = (DKDV[key(dims)], DQ[key(dims)])
-    ok = (plan.dkdv, plan.dq) == want and op.fuses_delta(plan, None)
+    ok = (plan.dkdv, plan.dq) == want and op.fuses_delta(plan, None) == plan.dq.fused_delta
     return ok, (f"{'ok  ' if ok else 'FAIL'} plan d={dims[0]}/{dims[1]}: dkdv {plan.dkdv} dq {plan.dq} "
                 f"fuses_delta {op.fuses_delta(plan, None)}")
 

@@ -36,7 +36,8 @@ def test_new_dims_take_the_gluon_backward_and_the_baseline_tables_validate(dims,
                         sm90.dims_key(q.shape[-1], v.shape[-1]) in head_dims)
     q, k, v = torch.zeros(8, 4, dims[0]), torch.zeros(8, 1, dims[0]), torch.zeros(8, 1, dims[1])
     plan = op.bwd_plan(q, k, v)
-    assert (plan.dkdv, plan.dq) == (configs.dkdv_config(_key(dims), 4), DQ[_key(dims)]) and op.fuses_delta(plan, None)
+    assert (plan.dkdv, plan.dq) == (configs.dkdv_config(_key(dims), 4), DQ[_key(dims)])
+    assert op.fuses_delta(plan, None) == DQ[_key(dims)].fused_delta == (dims != (192, 192))
     with configs.override(**triton_bwd_tables()):  # the GPU script's baseline: the Triton passes at these dims
         plan = op.bwd_plan(q, k, v)
         assert plan.dkdv is None and plan.dq is None
@@ -57,7 +58,8 @@ def test_shared_memory_fits_and_the_counts_add_up(dims):
     dkdv, dq = DKDV[_key(dims)], DQ[_key(dims)]
     assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) == (
         (dq.block_m * (d + 2 * dv) + dq.stages * dq.block_n * (d + dv)) * 2 + 8 * (dq.block_m // 64 + 2 * dq.stages))
-    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=True) <= 227 * 1024
+    # O's tile is in shared memory only where the dQ pass computes delta (`op.fuses_delta`)
+    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(dq, d, dv, delta_from_o=dq.fused_delta) <= 227 * 1024
     if dkdv.key_split:  # its formula and limit: tests/test_gluon_ksplit.py
         assert launch_sm90_ksplit.ksplit_resources(dkdv, d, dv)["ctas_per_sm"] == 1
         return
@@ -156,3 +158,19 @@ def test_part_kernels_compile_for_sm90a_without_spills():
               "sys.exit(1 if bad else 0)\n")
     stdout = compile_check(script)
     assert stdout.count("overlap OK") == len(jobs) and " 0 bytes spill stores" in stdout
+
+
+def test_fused_delta_is_a_dq_option():
+    """``fused_delta`` (the dQ pass computes delta from O) is refused on a dK/dV config and must be a bool; a dQ
+    config without it leaves delta to the preprocess (`op.fuses_delta`), so the ring may use O's shared memory."""
+    with pytest.raises(ValueError, match="fused_delta is a dQ option"):
+        configs.check_dkdv_config(configs.GluonBwdConfig(64, 64, 2, 4, fused_delta=False))
+    with pytest.raises(ValueError, match="fused_delta must be a bool"):
+        configs.check_dq_config(configs.GluonBwdConfig(128, 64, 2, 8, fused_delta=0))
+    unfused = configs.GluonBwdConfig(128, 64, 2, 8, fused_delta=False)
+    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(unfused, 192, 192, delta_from_o=True) > 227 * 1024
+    assert launch_sm90_bwd_parts.dq_parts_shared_bytes(unfused, 192, 192, delta_from_o=False) <= 227 * 1024
+    plan = op.BwdPlan(configs.DKDV_CONFIGS[192], unfused, (64, 64, True), (128, 64, True))
+    assert not op.fuses_delta(plan, None)
+    assert op.fuses_delta(op.BwdPlan(configs.DKDV_CONFIGS[192], configs.DQ_CONFIGS[96], (64, 64, True),
+                                     (128, 64, True)), None)

@@ -1,6 +1,6 @@
-"""The Gluon forward's lazy rescaling (`configs.GluonConfig.rescale_threshold`), without a GPU: the config's
-validation, the launcher's constexpr, and (in a subprocess, for sm_90a) one lazy kernel compiled with
-`scripts/check_gluon_compile.py`'s checks."""
+"""The Gluon forward's variants without a GPU -- lazy rescaling (`configs.GluonConfig.rescale_threshold`) and separate
+K / V ring barriers (`split_kv`): the config's validation, the launcher's constexprs and shared memory, and (in a
+subprocess, for sm_90a) kernels compiled with `scripts/check_gluon_compile.py`'s checks."""
 
 from __future__ import annotations
 
@@ -37,8 +37,21 @@ class _Recording:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("cfg,want", [(CONFIGS[64], None), (GluonConfig(128, 128, 4, 8, rescale_threshold=8), 8.0)])
-def test_forward_launch_passes_the_rescale_threshold(cfg, want, monkeypatch):
+def test_split_kv_is_validated_and_counts_its_barriers():
+    with pytest.raises(ValueError, match="split_kv"):
+        GluonConfig(128, 64, 2, 8, split_kv=1)
+    one, split = GluonConfig(128, 64, 2, 8), GluonConfig(128, 64, 2, 8, split_kv=True)
+    assert not one.split_kv and one != split
+    # Q + the ring + q_bar / q_empty and one ready / empty pair per slot, twice as many with split_kv
+    assert launch_sm90.shared_bytes(one, 256) == (128 + 2 * 2 * 64) * 256 * 2 + 8 * (2 + 2 * 2)
+    assert launch_sm90.shared_bytes(split, 256) == launch_sm90.shared_bytes(one, 256) + 8 * 2 * 2
+    assert CONFIGS[256].split_kv and not any(CONFIGS[d].split_kv for d in (64, 96, 128, 192))
+
+
+@pytest.mark.parametrize("cfg,want,split", [(CONFIGS[64], None, False),
+                                            (GluonConfig(128, 128, 4, 8, rescale_threshold=8), 8.0, False),
+                                            (GluonConfig(128, 128, 2, 8, split_kv=True), None, True)])
+def test_forward_launch_passes_the_variant_constexprs(cfg, want, split, monkeypatch):
     from packattn.ops.varlen import fwd_sm90
 
     params = set(fwd_sm90.varlen_fwd_gluon_ws_kernel.arg_names)
@@ -52,7 +65,7 @@ def test_forward_launch_passes_the_rescale_threshold(cfg, want, monkeypatch):
     launch_sm90.gluon_fwd(q, k, k, out, lse, seq_args, torch.zeros(10, 6, dtype=torch.int32), 0.1, Mask.make(True),
                           cfg)
     ((_grid, _args, kwargs),) = kernel.launches
-    assert kwargs["RESCALE_THRESHOLD"] == want
+    assert kwargs["RESCALE_THRESHOLD"] == want and kwargs["SPLIT_KV"] is split
     assert set(kwargs) - {"maxnreg"} <= params  # every constexpr the launcher passes is one the kernel takes
     assert want is None or isinstance(kwargs["RESCALE_THRESHOLD"], float)
 
@@ -70,3 +83,23 @@ def test_lazy_rescaling_compiles_for_sm90a_without_spills():
     assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
     mains = [line for line in stdout.splitlines() if "kind=main" in line]
     assert len(mains) == 2 and all("cta_bar=0" in line for line in mains)
+
+
+@pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
+@pytest.mark.parametrize("dims,config", [((256, 256), "128,64,2,8,lazy=8,split"), ((192, 128), "128,64,4,8,split")])
+def test_split_kv_compiles_for_sm90a_without_spills(dims, config):
+    """Separate K / V barriers (the d = 256 table config, and in column parts with a value dim of its own): no
+    spills (at d = 256 Q's descriptors are built per S), the softmax overlaps PV, and each consumer's main loop
+    waits on two ring barriers (K for S, V for PV) and releases two, where one barrier a slot waits and releases
+    one."""
+    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
+              f"for cfg in ({config!r}, {config.replace(',split', '')!r}):\n"
+              f"    problem, text = c.check_variant('bf16', {dims!r}, 'R', cfg)\n"
+              "    print(text, flush=True)\n"
+              "    if problem: sys.exit(1)\n")
+    stdout = compile_check(script, timeout=240)
+    assert stdout.count("overlap OK") == 2 and stdout.count(" 0 bytes spill stores") == 2
+    mains = [line for line in stdout.splitlines() if "kind=main" in line]
+    assert len(mains) == 4
+    assert all("mbar_wait=2 mbar_arrive=2" in line for line in mains[:2])
+    assert all("mbar_wait=1 mbar_arrive=1" in line for line in mains[2:])

@@ -153,6 +153,8 @@ class GluonConfig:
         t = self.rescale_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
+        if not isinstance(self.split_kv, bool):
+            raise ValueError(f"{self}: split_kv must be a bool")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
@@ -252,10 +254,12 @@ DKDV_GQA_CONFIGS = {128: GluonBwdConfig(64, 128, 2, 8)}
 DKDV_GQA_GROUP = 4
 # dQ: the two-consumer warp-specialised kernel at d = 64 (128-key steps, NOTES.md v33) and d = 128 (v12/v13);
 # the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
-# delta, 224 KB of shared memory); 192 the one-consumer one too, 96 and MLA two consumers (NOTES.md, v35). The
+# delta, 224 KB of shared memory); 96 and MLA two consumers (NOTES.md, v35); 192 two consumers with delta from
+# the preprocess (O's tile would not fit beside a 2-stage ring: 1.06x f+b over one consumer with it, v37). The
 # dQ tile table follows the config's blocks.
 DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8), 96: GluonBwdConfig(128, 64, 3, 8),
-              128: GluonBwdConfig(128, 64, 4, 8), 192: GluonBwdConfig(64, 64, 3, 4), 256: GluonBwdConfig(64, 64, 2, 4),
+              128: GluonBwdConfig(128, 64, 4, 8), 192: GluonBwdConfig(128, 64, 2, 8, fused_delta=False),
+              256: GluonBwdConfig(64, 64, 2, 4),
               (192, 128): GluonBwdConfig(128, 64, 2, 8), (128, 64): GluonBwdConfig(128, 64, 4, 8)}
 DQ_SHORT_CONFIGS = {128: GluonBwdConfig(64, 64, 2, 4)}
 FORCE_DKDV: GluonBwdConfig | None = None  # `override(dkdv=...)`: the config of every Gluon dK/dV pass
@@ -287,6 +291,8 @@ def check_dkdv_config(cfg: GluonBwdConfig) -> None:
     `launch_sm90_ksplit`, which checks its configs here): block_m 64, block_n 64, num_warps 8 (two consumer warp
     groups sharing one 64-key tile), >= 2 stages. Otherwise: two consumer warp groups of 64 keys each (block_n
     128, num_warps 8) or one (block_n 64, num_warps 4), 32 or 64 queries per step, >= 2 stages."""
+    if not cfg.fused_delta:
+        raise ValueError(f"{cfg}: fused_delta is a dQ option (the dK/dV kernels read delta)")
     if cfg.key_split:
         if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 8) or cfg.stages < 2:
             raise ValueError(f"{cfg}: the key-split dK/dV kernel takes block_m 64, block_n 64, num_warps 8 (two "
@@ -305,6 +311,8 @@ def check_dq_config(cfg: GluonBwdConfig) -> None:
     num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages."""
     if cfg.key_split:
         raise ValueError(f"{cfg}: key_split is a dK/dV option (the dQ kernel has none)")
+    if not isinstance(cfg.fused_delta, bool):
+        raise ValueError(f"{cfg}: fused_delta must be a bool")
     two = (cfg.block_m, cfg.num_warps) == (128, 8)
     one = (cfg.block_m, cfg.num_warps) == (64, 4)
     if not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:
