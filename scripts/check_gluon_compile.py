@@ -67,7 +67,7 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
 
 
 def parse_config(text: str) -> GluonConfig:
-    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]"`` as a `GluonConfig` (``lazy=T``:
+    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]"`` as a `GluonConfig` (``lazy=T``:
     ``rescale_threshold=T``)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     extra = {"trim": False}
@@ -77,12 +77,14 @@ def parse_config(text: str) -> GluonConfig:
             extra["trim"] = True
         elif part == "split":
             extra["split_kv"] = True
+        elif part == "qregs":
+            extra["q_in_regs"] = True
         elif name == "lazy" and value:
             extra["rescale_threshold"] = float(value)
         else:
-            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
+            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
     if len(parts) < 4:
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
     return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 
@@ -106,7 +108,7 @@ def table_key(dims: tuple[int, int]):
 def label_of(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
             + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}")
-            + (",split" if cfg.split_kv else ""))
+            + (",split" if cfg.split_kv else "") + (",qregs" if cfg.q_in_regs else ""))
 
 
 def selected_configs(dims) -> list[GluonConfig]:
@@ -400,7 +402,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split]")
+                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -144,6 +144,9 @@ class GluonConfig:
     # separate K and V barriers in the ring: a slot's K goes back to the producer once S is done, its V once PV
     # is, so the next K loads under the softmax and PV (False: one barrier for both, released after PV)
     split_kv: bool = False
+    # Q as the S product's A operand in registers (loaded once a tile, its shared memory released at once) instead
+    # of read from shared memory by every wgmma
+    q_in_regs: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
@@ -153,8 +156,8 @@ class GluonConfig:
         t = self.rescale_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
-        if not isinstance(self.split_kv, bool):
-            raise ValueError(f"{self}: split_kv must be a bool")
+        if not isinstance(self.split_kv, bool) or not isinstance(self.q_in_regs, bool):
+            raise ValueError(f"{self}: split_kv and q_in_regs must be bools")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a

@@ -274,7 +274,8 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                q_lo_wg=None, k_lo_bufs=None, v_lo_bufs=None, o_lo_layout: gl.constexpr = None,
-               RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False, Q_WG: gl.constexpr = -1):
+               RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False, Q_WG: gl.constexpr = -1,
+               Q_REGS: gl.constexpr = False):
     """The ``num_blocks >= 1`` key blocks of one consumer warp group (64 rows), ring blocks ``base ...``
     (module docstring): block j's slot goes back to the producer through ``empty`` once PV[j] is done, Q
     through ``q_empty`` once the last S is done. ``HEAD_DIM``: the (first) value part's columns; the ``lo``
@@ -282,7 +283,8 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
     ``acc`` is the pair ``(first part, second part)``. Returns ``(acc, m, l, ntail)``: ``ntail`` counts the
     tiles whose last block had a V tail. ``RESCALE_THRESHOLD``: `_attend_softmax`. ``SPLIT_KV``: block j's K goes
     back through ``empty[slot]`` once S[j] is done, its V through ``empty[STAGES + slot]`` once PV[j] is, and PV[j]
-    waits for ``ready[STAGES + slot]``. ``Q_WG``: `_q_view`."""
+    waits for ``ready[STAGES + slot]``. ``Q_WG``: `_q_view`. ``Q_REGS``: ``q_wg`` / ``q_lo_wg`` are registers and
+    ``q_empty`` was arrived on already."""
     dtype: gl.constexpr = q_wg.dtype
     acc_lo = None
     if v_lo_bufs is not None:
@@ -317,7 +319,10 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
             acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, lo_tok))
         mbarrier.arrive(empty.index(_v_bar(base + j, STAGES, SPLIT_KV)), count=1)  # this group is done with V[j]
         p_op = _to_operand(p, dtype, o_layout)
-    mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
+    if Q_REGS:
+        pass
+    else:
+        mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
     v_buf = v_bufs.index((base + last) % STAGES)
     v_lo_buf = None
@@ -348,10 +353,11 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr,
-                 RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False):
+                 RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False, Q_REGS: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
-    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`.
+    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`; ``Q_REGS``: each tile's Q is loaded into registers
+    and released on ``q_empty`` at once.
     The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -382,6 +388,13 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             if o_lo_layout is not None:  # the output in two column parts: a pair of accumulators
                 acc = (acc, gl.zeros([64, HEAD_DIM_V - DV_HI], gl.float32, o_lo_layout))
             mbarrier.wait(q_bar, loads_q & 1)
+            q_op = q_wg
+            q_lo_op = q_lo_wg
+            if Q_REGS:  # Q once into registers (the S products' A operand), its shared memory released
+                q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                if q_lo_wg is not None:
+                    q_lo_op = q_lo_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                mbarrier.arrive(q_empty, count=1)
             if TRIM and num_blocks > 0:
                 b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
                                              chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
@@ -389,22 +402,26 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                                         ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
                 if b_hi > b_lo:
                     acc, m_i, l_i, ntail = _ws_attend(
-                        q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
+                        q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
                         acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
-                        BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs,
-                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG)
+                        BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs,
+                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
+                elif Q_REGS:
+                    pass
                 else:
                     mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
                                         len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
             elif num_blocks > 0:
                 acc, m_i, l_i, ntail = _ws_attend(
-                    q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
+                    q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
                     offs_n, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
-                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_wg, k_lo_bufs, v_lo_bufs, o_lo_layout,
-                    _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG)
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs, v_lo_bufs, o_lo_layout,
+                    _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
+            elif Q_REGS:
+                pass
             else:
                 mbarrier.arrive(q_empty, count=1)
             if o_lo_layout is not None:
@@ -424,13 +441,14 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
-                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False):
+                        TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False,
+                        Q_REGS: gl.constexpr = False):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
                  q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, SPLIT_KV)
+                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, SPLIT_KV, Q_REGS)
 
 
 @gluon.jit
@@ -444,6 +462,7 @@ def varlen_fwd_gluon_ws_kernel(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False,
+    Q_REGS: gl.constexpr = False,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
@@ -451,7 +470,8 @@ def varlen_fwd_gluon_ws_kernel(
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
     ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
-    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`)."""
+    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`); ``Q_REGS``: Q in registers
+    (`configs.GluonConfig.q_in_regs`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -487,13 +507,13 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                                   _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
+                                   _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
@@ -506,7 +526,7 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV)),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,

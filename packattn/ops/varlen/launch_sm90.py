@@ -140,9 +140,9 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
     """The forward kernel's constexprs of ``cfg``'s variants: ``RESCALE_THRESHOLD`` (lazy rescaling), None (off) or
-    a float; ``SPLIT_KV`` (separate K and V ring barriers)."""
+    a float; ``SPLIT_KV`` (separate K and V ring barriers); ``Q_REGS`` (Q in registers)."""
     t = cfg.rescale_threshold
-    return {"RESCALE_THRESHOLD": None if t is None else float(t), "SPLIT_KV": cfg.split_kv}
+    return {"RESCALE_THRESHOLD": None if t is None else float(t), "SPLIT_KV": cfg.split_kv, "Q_REGS": cfg.q_in_regs}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
