@@ -38,8 +38,9 @@ class _Recording:
 
 
 def test_split_kv_is_validated_and_counts_its_barriers():
-    with pytest.raises(ValueError, match="split_kv"):
-        GluonConfig(128, 64, 2, 8, split_kv=1)
+    for fields in ({"split_kv": 1}, {"q_in_regs": "yes"}):
+        with pytest.raises(ValueError, match="split_kv and q_in_regs must be bools"):
+            GluonConfig(128, 64, 2, 8, **fields)
     one, split = GluonConfig(128, 64, 2, 8), GluonConfig(128, 64, 2, 8, split_kv=True)
     assert not one.split_kv and one != split
     # Q + the ring + q_bar / q_empty and one ready / empty pair per slot, twice as many with split_kv
@@ -50,7 +51,8 @@ def test_split_kv_is_validated_and_counts_its_barriers():
 
 @pytest.mark.parametrize("cfg,want,split", [(CONFIGS[64], None, False),
                                             (GluonConfig(128, 128, 4, 8, rescale_threshold=8), 8.0, False),
-                                            (GluonConfig(128, 128, 2, 8, split_kv=True), None, True)])
+                                            (GluonConfig(128, 128, 2, 8, split_kv=True), None, True),
+                                            (GluonConfig(128, 128, 2, 8, q_in_regs=True), None, False)])
 def test_forward_launch_passes_the_variant_constexprs(cfg, want, split, monkeypatch):
     from packattn.ops.varlen import fwd_sm90
 
@@ -65,7 +67,7 @@ def test_forward_launch_passes_the_variant_constexprs(cfg, want, split, monkeypa
     launch_sm90.gluon_fwd(q, k, k, out, lse, seq_args, torch.zeros(10, 6, dtype=torch.int32), 0.1, Mask.make(True),
                           cfg)
     ((_grid, _args, kwargs),) = kernel.launches
-    assert kwargs["RESCALE_THRESHOLD"] == want and kwargs["SPLIT_KV"] is split
+    assert kwargs["RESCALE_THRESHOLD"] == want and kwargs["SPLIT_KV"] is split and kwargs["Q_REGS"] is cfg.q_in_regs
     assert set(kwargs) - {"maxnreg"} <= params  # every constexpr the launcher passes is one the kernel takes
     assert want is None or isinstance(kwargs["RESCALE_THRESHOLD"], float)
 
@@ -103,3 +105,30 @@ def test_split_kv_compiles_for_sm90a_without_spills(dims, config):
     assert len(mains) == 4
     assert all("mbar_wait=2 mbar_arrive=2" in line for line in mains[:2])
     assert all("mbar_wait=1 mbar_arrive=1" in line for line in mains[2:])
+
+
+@pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
+def test_q_in_registers_compiles_for_sm90a_without_spills():
+    """Q in registers (the d = 192 table config, two column parts): no spills, the softmax overlaps PV, and every
+    S product of the SASS takes Q from registers (``HGMMA ... R<a>, gdesc``: only K from shared memory) where the
+    shared-memory config's take both operands from descriptors."""
+    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
+              "import os, subprocess, tempfile, triton\n"
+              "for cfg in ('128,64,3,8,qregs', '128,64,3,8'):\n"
+              "    problem, text = c.check_variant('bf16', (192, 192), 'R', cfg)\n"
+              "    print(text, flush=True)\n"
+              "    if problem: sys.exit(1)\n"
+              "    _, compiled = c.compile_variant('bf16', (192, 192), 'R', c.parse_config(cfg))\n"
+              "    tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'nvdisasm')\n"
+              "    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:\n"
+              "        f.write(compiled.asm['cubin']); f.flush()\n"
+              "        sass = subprocess.run([tool, '-c', f.name], capture_output=True, text=True).stdout\n"
+              "    s_products = [l for l in sass.splitlines() if 'HGMMA.64x64x16' in l and 'tnspB' not in l]\n"
+              "    print(cfg, 'S products', len(s_products), 'with Q in registers',\n"
+              "          sum(', R' in l.split('HGMMA')[1].split('gdesc')[0] for l in s_products), flush=True)\n")
+    stdout = compile_check(script, timeout=240)
+    assert stdout.count("overlap OK") == 2 and stdout.count(" 0 bytes spill stores") == 2
+    counts = [line.split() for line in stdout.splitlines() if " S products " in line]
+    (regs_cfg, _, _, n_regs, *_, in_regs), (smem_cfg, _, _, n_smem, *_, smem_in_regs) = counts
+    assert regs_cfg.endswith("qregs") and int(n_regs) > 0 and int(in_regs) == int(n_regs)
+    assert int(n_smem) > 0 and int(smem_in_regs) == 0

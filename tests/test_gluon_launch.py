@@ -4,6 +4,8 @@ built without re-validation."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -267,16 +269,21 @@ def test_dq_refuses_bad_configs(text, monkeypatch):
 
 
 def test_dq_tables_are_valid_and_every_config_computes_delta_within_a_cta():
-    """Every table config is one the dQ kernel takes and fits one CTA's shared memory with O (the backward
-    always lets the Gluon dQ compute delta, `op.fuses_delta`); the one-consumer ones up to d = 128 fit two."""
+    """Every table config is one the dQ kernel takes and fits one CTA's shared memory, with O where it computes
+    delta (`fused_delta`, `op.fuses_delta`); a config that leaves delta to the preprocess would not fit with O
+    (else it should fuse); the one-consumer ones up to d = 128 fit two."""
     for table in (configs.DQ_CONFIGS, configs.DQ_SHORT_CONFIGS):
         for key, cfg in table.items():
             configs.check_dq_config(cfg)
             d, d_v = (key, key) if isinstance(key, int) else key
             if launch_sm90_bwd_parts.in_parts(d, d_v):  # 96, 192, MLA: the part kernel's layout
-                assert launch_sm90_bwd_parts.dq_parts_shared_bytes(cfg, d, d_v, delta_from_o=True) <= 232448, key
+                size = functools.partial(launch_sm90_bwd_parts.dq_parts_shared_bytes, cfg, d, d_v)
+            else:
+                size = functools.partial(launch_sm90.dq_shared_bytes, cfg, d)
+            assert size(delta_from_o=cfg.fused_delta) <= 232448, key
+            assert cfg.fused_delta or size(delta_from_o=True) > 232448, key
+            if launch_sm90_bwd_parts.in_parts(d, d_v):
                 continue
-            assert launch_sm90.dq_shared_bytes(cfg, d, delta_from_o=True) <= 232448, (d, cfg)
             if cfg.block_m == 64 and d <= 128:
                 assert launch_sm90.dq_resources(cfg, d, True)["ctas_per_sm"] == 2, (d, cfg)
     assert set(configs.DQ_CONFIGS) == set(configs.GLUON_HEAD_DIMS)

@@ -46,50 +46,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _load_kv_block, _rows_any, _scale_acc,
-                                               _softmax_any, _to_operand, _zero_v_tail, mma_layout, tail_chunk)
-from packattn.ops.varlen.common_sm90_ws import (_opaque_i32, _work_item, _ws_buffers, _ws_epilogue, _ws_load_q,
-                                                _ws_tile_start)
-from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_kv_parts, _load_kv_split, _load_q_parts,
-                                                _part_buffers, _pv_lo, _store_cols, lo_mma_layout, part_hi, parts_ok)
+from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _rows_any, _scale_acc, _softmax_any,
+                                               _to_operand, _zero_v_tail, mma_layout, tail_chunk)
+from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
+from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_q_parts, _part_buffers, _pv_lo, _store_cols,
+                                                lo_mma_layout, part_hi, parts_ok)
+from packattn.ops.varlen.fwd_sm90_ring import _load_kv, _q_view, _release_k, _v_bar, _wait_slot, _wait_v, q_desc_in_loop
 
 
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block, row0_kv,
-             n_lo, col_kv, head_kv, num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             HEAD_DIM_V: gl.constexpr, PLAIN: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """One ring block's K and V once the consumers released its slot (`common_sm90._load_kv_block`; not
-    ``PLAIN``: `fwd_sm90_parts._load_kv_parts`, K at ``col_kv``, V at kv head ``head_kv``'s columns of its own head
-    dim; ``SPLIT_KV``: `fwd_sm90_parts._load_kv_split`, K and V each after its own release)."""
-    if SPLIT_KV:
-        if HEAD_DIM_V == HEAD_DIM:
-            col_v = col_kv
-        else:
-            col_v = head_kv * HEAD_DIM_V
-        _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block,
-                       row0_kv, n_lo, col_kv, col_v, STAGES, BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
-    else:
-        if PLAIN:
-            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, col_kv, num_blocks, STAGES,
-                           BLOCK_N)
-        else:
-            if HEAD_DIM_V == HEAD_DIM:
-                col_v = col_kv
-            else:
-                col_v = head_kv * HEAD_DIM_V
-            _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block,
-                           row0_kv, n_lo, col_kv, col_v, num_blocks, STAGES, BLOCK_N, k_bufs.shape[2],
-                           v_bufs.shape[2])
-
-
-@gluon.jit
-def _wait_slot(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """Producer, one barrier a slot: wait until the consumers released ring block ``block``'s slot (``SPLIT_KV``:
-    nothing here, `fwd_sm90_parts._load_kv_split` waits for K's and V's release each)."""
-    if SPLIT_KV:
-        pass
-    else:
-        mbarrier.wait(empty.index(block % STAGES), ((block // STAGES) & 1) ^ 1)
 
 
 @gluon.jit
@@ -195,47 +159,9 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
     return ntail
 
 
-@gluon.jit
-def _v_bar(block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """The ring barrier index of ring block ``block``'s V: ``STAGES + slot`` with ``SPLIT_KV``, else the slot's
-    one barrier (K's too)."""
-    slot = block % STAGES
-    if SPLIT_KV:
-        slot = slot + STAGES
-    return slot
 
 
-@gluon.jit
-def _wait_v(ready, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """``SPLIT_KV``: wait until ring block ``block``'s V has landed (without it, K's wait covered V)."""
-    if SPLIT_KV:
-        mbarrier.wait(ready.index(STAGES + block % STAGES), (block // STAGES) & 1)
 
-
-@gluon.jit
-def _release_k(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """``SPLIT_KV``: ring block ``block``'s S is done, its K slot goes back to the producer (without it, the
-    slot goes back once PV is done)."""
-    if SPLIT_KV:
-        mbarrier.arrive(empty.index(block % STAGES), count=1)
-
-
-@gluon.constexpr_function
-def q_desc_in_loop(head_dim, head_dim_v, block_n):
-    """Does the consumer build Q's wgmma descriptors per S inside the loop (`_q_view`)? At d = 256 with 64-key
-    blocks: hoisted, Q's 16 descriptors take registers those blocks need (ptxas spills); elsewhere they stay
-    hoisted (the kernel's code as without this)."""
-    return int(head_dim) == 256 and int(head_dim_v) == 256 and int(block_n) >= 64
-
-
-@gluon.jit
-def _q_view(q_wg, like, Q_WG: gl.constexpr):
-    """The consumer's 64 rows of Q for one S: ``q_wg`` itself, or with ``Q_WG >= 0`` (`q_desc_in_loop`) rows
-    ``64 Q_WG ...`` of ``q_wg`` (then Q's whole buffer as ``[1, rows, d]``, the same bytes) indexed by a zero
-    LLVM cannot hoist (inline asm of ``like``, any int32 scalar of the loop)."""
-    if Q_WG >= 0:
-        q_wg = q_wg.index(_opaque_i32(like * 0)).slice(Q_WG * 64, 64, dim=0)
-    return q_wg
 
 
 @gluon.constexpr_function
@@ -356,8 +282,8 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False, Q_REGS: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
-    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`; ``Q_REGS``: each tile's Q is loaded into registers
-    and released on ``q_empty`` at once.
+    ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`;
+    ``Q_REGS``: each tile's Q is loaded into registers and released on ``q_empty`` at once.
     The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -470,8 +396,8 @@ def varlen_fwd_gluon_ws_kernel(
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
     ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
-    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`); ``Q_REGS``: Q in registers
-    (`configs.GluonConfig.q_in_regs`)."""
+    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`);
+    ``Q_REGS``: Q in registers (`configs.GluonConfig.q_in_regs`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")

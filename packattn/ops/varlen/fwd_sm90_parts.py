@@ -102,30 +102,6 @@ def _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bu
         tma.async_copy_global_to_shared(v_lo_desc, [row, col_v + DV_HI], bar, v_lo_bufs.index(slot), pred=pred)
 
 
-@gluon.jit
-def _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block,
-                   row0_kv, n_lo, col_k, col_v, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_HI: gl.constexpr,
-                   DV_HI: gl.constexpr):
-    """`_load_kv_parts` on a ring with separate K and V barriers (the kernel's ``SPLIT_KV``): once ``empty[slot]``
-    says the consumers' S is done with the slot's K, K (and its ``lo`` part) onto ``ready[slot]``; once
-    ``empty[STAGES + slot]`` says their PV is done with its V, V onto ``ready[STAGES + slot]``."""
-    slot = block % STAGES
-    phase = ((block // STAGES) & 1) ^ 1
-    row = row0_kv + n_lo + block * BLOCK_N
-    mbarrier.wait(empty.index(slot), phase)
-    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (0 if k_lo_desc is None else k_lo_desc.block_type.nbytes)
-    mbarrier.expect(ready.index(slot), k_bytes)
-    tma.async_copy_global_to_shared(k_desc, [row, col_k], ready.index(slot), k_bufs.index(slot))
-    if k_lo_desc is not None:
-        tma.async_copy_global_to_shared(k_lo_desc, [row, col_k + D_HI], ready.index(slot), k_lo_bufs.index(slot))
-    mbarrier.wait(empty.index(STAGES + slot), phase)
-    v_bytes: gl.constexpr = v_desc.block_type.nbytes + (0 if v_lo_desc is None else v_lo_desc.block_type.nbytes)
-    mbarrier.expect(ready.index(STAGES + slot), v_bytes)
-    tma.async_copy_global_to_shared(v_desc, [row, col_v], ready.index(STAGES + slot), v_bufs.index(slot))
-    if v_lo_desc is not None:
-        tma.async_copy_global_to_shared(v_lo_desc, [row, col_v + DV_HI], ready.index(STAGES + slot),
-                                        v_lo_bufs.index(slot))
-
 
 @gluon.jit
 def _issue_qk_parts(q_smem, q_lo, k_bufs, k_lo_bufs, ready, block, s_zero, STAGES: gl.constexpr):
