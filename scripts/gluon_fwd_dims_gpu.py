@@ -20,10 +20,11 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 
 ``--opt-in``: instead, the variants of `OPT_IN` (lazy rescaling, `GluonConfig.rescale_threshold`; separate K / V
-barriers, `GluonConfig.split_kv`; Q in registers, `q_in_regs`; other tiles) on each dim's table config, at every forward head dim (64, 96, 128,
-192, 256, MLA) and mask (causal both alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence
-x (1 + 3 t / len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal
-too; each line gives the table config's errors beside. ~60 compiles.
+barriers, `GluonConfig.split_kv`; Q in registers, `q_in_regs`; other tiles) on each dim's table config, at the
+forward head dims each names (64, 96, 128, 192, 256, MLA) and masks (causal both alignments, none, window, chunk),
+on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence x (1 + 3 t /
+len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal too;
+each line gives the table config's errors beside. ``--only`` names variants of `OPT_IN`.
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py --opt-in [--dims 64 256]
 """
@@ -72,7 +73,11 @@ OPT_IN = {
     "split-trim": ({"block_n": 64, "stages": 4, "trim": True, "split_kv": True}, ((128, 128),),
                    ("causal", "window", "chunk")),
     "rows64": ({"block_m": 64, "num_warps": 4, "stages": 2}, ((64, 64),), ("causal", "window")),
-    "qregs": ({"q_in_regs": True}, None, ("causal", "window", "chunk")),
+    "qregs": ({"q_in_regs": True}, ((64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (128, 64)),
+              ("causal", "window", "chunk")),
+    "qregs-trim": ({"block_n": 64, "stages": 4, "trim": True, "q_in_regs": True}, ((128, 128), (192, 128)),
+                   ("causal", "window")),
+    "qregs-split": ({"q_in_regs": True, "split_kv": True}, ((128, 128), (192, 192)), ("causal", "chunk")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)
@@ -295,8 +300,11 @@ def main() -> int:
     parser.add_argument("--dims", nargs="+", type=parse_dims, default=list(CANDIDATES))
     parser.add_argument("--no-time", action="store_true")
     parser.add_argument("--opt-in", action="store_true", help="check the opt-in variants (OPT_IN) instead")
-    parser.add_argument("--only", nargs="+", default=None, help="with --opt-in: these OPT_IN variants")
+    parser.add_argument("--only", nargs="+", default=None, choices=list(OPT_IN),
+                        help="with --opt-in: these OPT_IN variants")
     args = parser.parse_args()
+    if args.only and not args.opt_in:
+        parser.error("--only names --opt-in variants")
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     check_reference_against_oracle()

@@ -1,6 +1,7 @@
-"""The Gluon forward's variants without a GPU -- lazy rescaling (`configs.GluonConfig.rescale_threshold`) and separate
-K / V ring barriers (`split_kv`): the config's validation, the launcher's constexprs and shared memory, and (in a
-subprocess, for sm_90a) kernels compiled with `scripts/check_gluon_compile.py`'s checks."""
+"""The Gluon forward's variants without a GPU -- lazy rescaling (`configs.GluonConfig.rescale_threshold`), separate
+K / V ring barriers (`split_kv`) and Q in registers (`q_in_regs`): the config's validation, the launcher's
+constexprs, shared memory and refusals, and (in a subprocess, for sm_90a) kernels compiled with
+`scripts/check_gluon_compile.py`'s checks."""
 
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ class _Recording:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-def test_split_kv_is_validated_and_counts_its_barriers():
+def test_variant_flags_are_validated_and_split_kv_counts_its_barriers():
     for fields in ({"split_kv": 1}, {"q_in_regs": "yes"}):
-        with pytest.raises(ValueError, match="split_kv and q_in_regs must be bools"):
+        with pytest.raises(TypeError, match="split_kv and q_in_regs must be bools"):
             GluonConfig(128, 64, 2, 8, **fields)
     one, split = GluonConfig(128, 64, 2, 8), GluonConfig(128, 64, 2, 8, split_kv=True)
-    assert not one.split_kv and one != split
     # Q + the ring + q_bar / q_empty and one ready / empty pair per slot, twice as many with split_kv
     assert launch_sm90.shared_bytes(one, 256) == (128 + 2 * 2 * 64) * 256 * 2 + 8 * (2 + 2 * 2)
     assert launch_sm90.shared_bytes(split, 256) == launch_sm90.shared_bytes(one, 256) + 8 * 2 * 2
@@ -87,13 +87,23 @@ def test_lazy_rescaling_compiles_for_sm90a_without_spills():
     assert len(mains) == 2 and all("cta_bar=0" in line for line in mains)
 
 
+def test_q_in_registers_is_refused_at_256():
+    """Q's registers beside d = 256's output accumulator spill: the launcher's resources refuse the config before a
+    kernel compiles (and the kernel asserts it)."""
+    for dims in ((256, 256), (192, 256), (256, 128)):
+        with pytest.raises(ValueError, match="q_in_regs needs head dims below 256"):
+            launch_sm90.fwd_resources(GluonConfig(128, 64, 2, 8, q_in_regs=True), *dims)
+    assert launch_sm90.fwd_resources(GluonConfig(128, 64, 3, 8, q_in_regs=True), 192)["consumer_regs"] >= 232
+
+
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
-@pytest.mark.parametrize("dims,config", [((256, 256), "128,64,2,8,lazy=8,split"), ((192, 128), "128,64,4,8,split")])
+@pytest.mark.parametrize("dims,config", [((256, 256), "128,64,2,8,lazy=8,split"), ((192, 128), "128,64,4,8,split"),
+                                         ((128, 128), "128,64,4,8,trim,split")])
 def test_split_kv_compiles_for_sm90a_without_spills(dims, config):
-    """Separate K / V barriers (the d = 256 table config, and in column parts with a value dim of its own): no
-    spills (at d = 256 Q's descriptors are built per S), the softmax overlaps PV, and each consumer's main loop
-    waits on two ring barriers (K for S, V for PV) and releases two, where one barrier a slot waits and releases
-    one."""
+    """Separate K / V barriers (the d = 256 table config; in column parts with a value dim of its own; trimmed, so
+    the skip path too): no spills (at d = 256 Q's descriptors are built per S), the softmax overlaps PV, and each
+    consumer's main loop waits on two ring barriers (K for S, V for PV) and releases two, where one barrier a slot
+    waits and releases one."""
     script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
               f"for cfg in ({config!r}, {config.replace(',split', '')!r}):\n"
               f"    problem, text = c.check_variant('bf16', {dims!r}, 'R', cfg)\n"
@@ -131,4 +141,4 @@ def test_q_in_registers_compiles_for_sm90a_without_spills():
     counts = [line.split() for line in stdout.splitlines() if " S products " in line]
     (regs_cfg, _, _, n_regs, *_, in_regs), (smem_cfg, _, _, n_smem, *_, smem_in_regs) = counts
     assert regs_cfg.endswith("qregs") and int(n_regs) > 0 and int(in_regs) == int(n_regs)
-    assert int(n_smem) > 0 and int(smem_in_regs) == 0
+    assert not smem_cfg.endswith("qregs") and int(n_smem) > 0 and int(smem_in_regs) == 0

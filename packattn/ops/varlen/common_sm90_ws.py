@@ -85,17 +85,18 @@ def _work_item(tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv
 
 # ---------------------------------------------------------------- ring
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_KV: gl.constexpr = False):
     """The ring's mbarriers of a warp-specialised kernel, initialised: ``ready[slot]`` (count 1: the
     producer's expect + TMA) and ``empty[slot]`` (count ``CONSUMERS``: each consumer warp group
-    releases the slot)."""
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    releases the slot). ``SPLIT_KV`` (the forward's separate K / V barriers, `fwd_sm90_ring`): ``2 STAGES`` of
+    each, ``[slot]`` for K and ``[STAGES + slot]`` for V (`launch_sm90.shared_bytes` counts them so)."""
+    BARS: gl.constexpr = STAGES * (2 if SPLIT_KV else 1)
+    ready = gl.allocate_shared_memory(gl.int64, [BARS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [BARS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(BARS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     return ready, empty
-
 
 
 # ---------------------------------------------------------------- the warp-specialised forward's pieces
@@ -113,7 +114,7 @@ def _ws_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    ready, empty = _ring_barriers(STAGES * (2 if SPLIT_KV else 1), NUM_CONSUMERS)
+    ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS, SPLIT_KV)
     return q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty
 
 

@@ -8,8 +8,8 @@
 * the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
   `SHORT_TRIM_CONFIGS` elsewhere; it runs from `GLUON_MIN_SEQLEN` rows;
 * the sm_90 Gluon backward (warp-specialised kernels): `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from
-  `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself
-  (`packattn.ops.varlen.op.fuses_delta`);
+  `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself where
+  its config's ``fused_delta`` says so (`packattn.ops.varlen.op.fuses_delta`);
 * batch length classes: `LONG_SEQLEN`, and `SHORT_SEQLEN` (`packattn.lengths`, shared with dispatch);
 * the Gluon kernels' work order: `heads_per_section` (`HEAD_SECTION`, `SHORT_HEAD_SECTION`).
 
@@ -157,18 +157,18 @@ class GluonConfig:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
         if not isinstance(self.split_kv, bool) or not isinstance(self.q_in_regs, bool):
-            raise ValueError(f"{self}: split_kv and q_in_regs must be bools")
+            raise TypeError(f"{self}: split_kv and q_in_regs must be bools")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a
 # fourth slot. The best or within 1% of it on W1/W2/W4/W8 (NOTES.md, v8 and v13). d = 256: 64-key blocks, 2
 # stages (Q 64 KB + 2 x 64 KB = 192 KB; the 64 x 256 float32 output takes 128 of a consumer's registers) with
-# separate K / V barriers, so the next K loads under the softmax and PV (NOTES.md, v37: 1.24x over 32-key blocks
-# in 3 stages, whose Q reads bound them), and lazy rescaling: its O rescale (128 multiplies per thread a block)
-# costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split barriers
-# gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills (v34); at
-# 192 and MLA with Q in registers (their 64-key S products read Q from shared memory as often as K: 1.04x / 1.07x
-# forward; slower at 96 and 128, equal at 64, v37).
+# separate K / V barriers, so the next K loads under the softmax and PV (32-key blocks in 3 stages, the previous
+# best, are bound by their Q reads; NOTES.md, v37), and lazy rescaling: its O rescale (128 multiplies per thread a
+# block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
+# barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
+# (v34); at 192 and MLA with Q in registers: their 64-key S products would read Q from shared memory as often as
+# K (at 96 / 128 it is slower, v37).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8), 96: GluonConfig(128, 128, 3, 8), 128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
            256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True),
@@ -244,6 +244,10 @@ class GluonBwdConfig:
     # `op.fuses_delta`); False: the preprocess computes delta and the dQ pass has that shared memory for its ring
     fused_delta: bool = True
 
+    def __post_init__(self):
+        if not isinstance(self.key_split, bool) or not isinstance(self.fused_delta, bool):
+            raise TypeError(f"{self}: key_split and fused_delta must be bools")
+
 
 # dK/dV: the one-consumer warp-specialised kernel at d = 64 and 128 (NOTES.md, v11, v19 and v33); GQA groups of
 # DKDV_GQA_GROUP or more keep the two-consumer one at d = 128 (v19).
@@ -260,7 +264,7 @@ DKDV_GQA_GROUP = 4
 # dQ: the two-consumer warp-specialised kernel at d = 64 (128-key steps, NOTES.md v33) and d = 128 (v12/v13);
 # the one-consumer one for short batches (v19); at d = 256 the one-consumer one (64 x 64, 2 stages: with O for
 # delta, 224 KB of shared memory); 96 and MLA two consumers (NOTES.md, v35); 192 two consumers with delta from
-# the preprocess (O's tile would not fit beside a 2-stage ring: 1.06x f+b over one consumer with it, v37). The
+# the preprocess (O's tile would not fit beside their 2-stage ring; faster than one consumer with O, v37). The
 # dQ tile table follows the config's blocks.
 DQ_CONFIGS = {64: GluonBwdConfig(128, 128, 2, 8), 96: GluonBwdConfig(128, 64, 3, 8),
               128: GluonBwdConfig(128, 64, 4, 8), 192: GluonBwdConfig(128, 64, 2, 8, fused_delta=False),
@@ -296,7 +300,7 @@ def check_dkdv_config(cfg: GluonBwdConfig) -> None:
     `launch_sm90_ksplit`, which checks its configs here): block_m 64, block_n 64, num_warps 8 (two consumer warp
     groups sharing one 64-key tile), >= 2 stages. Otherwise: two consumer warp groups of 64 keys each (block_n
     128, num_warps 8) or one (block_n 64, num_warps 4), 32 or 64 queries per step, >= 2 stages."""
-    if not cfg.fused_delta:
+    if cfg.fused_delta is False:
         raise ValueError(f"{cfg}: fused_delta is a dQ option (the dK/dV kernels read delta)")
     if cfg.key_split:
         if (cfg.block_m, cfg.block_n, cfg.num_warps) != (64, 64, 8) or cfg.stages < 2:
@@ -316,8 +320,6 @@ def check_dq_config(cfg: GluonBwdConfig) -> None:
     num_warps 8) or one (block_m 64, num_warps 4), 64 or 128 keys per step, >= 2 stages."""
     if cfg.key_split:
         raise ValueError(f"{cfg}: key_split is a dK/dV option (the dQ kernel has none)")
-    if not isinstance(cfg.fused_delta, bool):
-        raise ValueError(f"{cfg}: fused_delta must be a bool")
     two = (cfg.block_m, cfg.num_warps) == (128, 8)
     one = (cfg.block_m, cfg.num_warps) == (64, 4)
     if not (one or two) or cfg.block_n not in (64, 128) or cfg.stages < 2:

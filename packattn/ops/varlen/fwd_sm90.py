@@ -12,6 +12,8 @@ a persistent grid of programs takes items ``pid, pid + nprog, ...``. Partitions 
   wait until S[j+1] is done, softmax of S[j+1] under PV[j], wait for PV[j], arrive ``empty[j % STAGES]``.
   After the tile's last S it arrives ``q_empty``; the output is stored from the accumulator registers
   (`common_sm90_ws._store_out`), so the next tile's Q loads under this tile's last PV and epilogue.
+  ``Q_REGS`` (`configs.GluonConfig.q_in_regs`): Q is loaded into registers at the tile's start and ``q_empty``
+  arrived on at once.
 * producer (1 warp): per tile the first K/V block, then Q (after ``q_empty``), then the other blocks, each into
   ring slot ``block % STAGES`` after ``empty`` of that slot.
 
@@ -20,7 +22,8 @@ program's tiles, so slot ``b % STAGES`` and parity ``(b // STAGES) & 1`` agree. 
 producer's expect + TMA), ``empty[slot]`` and ``q_empty`` (count ``BLOCK_M // 64``: one arrival per consumer),
 ``q_bar`` (count 1). No CTA barrier in the loop: the barrier Triton puts before an mbarrier arrive spans only
 the arriving warp group. The block that crosses the sequence end has its V rows past ``len_kv`` zeroed, each
-consumer its half, met on ``wg_bars[0]`` (`_ws_zero_v_tail`).
+consumer its half, met on ``wg_bars[0]`` (`_ws_zero_v_tail`). ``SPLIT_KV`` (`configs.GluonConfig.split_kv`):
+separate K and V barriers, K released once S is done (`fwd_sm90_ring`).
 
 ``TRIM``: each consumer runs the products only on the blocks ``[b_lo, b_hi)`` holding a key visible to one of
 its rows (`_wg_block_range`) and waits for / releases the others (`_ws_skip_blocks`). A skipped block has
@@ -51,9 +54,8 @@ from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _rows_a
 from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_q_parts, _part_buffers, _pv_lo, _store_cols,
                                                 lo_mma_layout, part_hi, parts_ok)
-from packattn.ops.varlen.fwd_sm90_ring import _load_kv, _q_view, _release_k, _v_bar, _wait_slot, _wait_v, q_desc_in_loop
-
-
+from packattn.ops.varlen.fwd_sm90_ring import (_load_kv, _q_view, _release_k, _release_q, _v_bar, _wait_slot,
+                                               _wait_v, q_desc_in_loop, q_regs_ok)
 
 
 @gluon.jit
@@ -64,8 +66,9 @@ def _ws_producer(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles,
                  SPLIT_KV: gl.constexpr = False):
     """TMA partition (one warp). Per tile: the first K/V block (if any), then
     Q (once ``q_empty`` says the consumers are done with the previous tile's Q), then the rest of
-    the blocks, each into the next ring slot once ``empty`` says both consumers released it.
-    Not ``PLAIN``: each tensor in its column parts (`fwd_sm90_parts`), V at its own head dim."""
+    the blocks, each into the next ring slot once ``empty`` says both consumers released it (``SPLIT_KV``: K and
+    V each once released, `fwd_sm90_ring._load_kv`). Not ``PLAIN``: each tensor in its column parts
+    (`fwd_sm90_parts`), V at its own head dim."""
     block = 0  # ring blocks issued so far (all tiles of this program)
     loads_q = 0  # Q loads issued so far
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
@@ -159,11 +162,6 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
     return ntail
 
 
-
-
-
-
-
 @gluon.constexpr_function
 def _rescale_arg(threshold):
     """``RESCALE_THRESHOLD`` as the partitions take it (None cannot travel in ``gl.warp_specialize``'s argument
@@ -245,10 +243,7 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
             acc, acc_lo = warpgroup_mma_wait(0, deps=(acc_tok, lo_tok))
         mbarrier.arrive(empty.index(_v_bar(base + j, STAGES, SPLIT_KV)), count=1)  # this group is done with V[j]
         p_op = _to_operand(p, dtype, o_layout)
-    if Q_REGS:
-        pass
-    else:
-        mbarrier.arrive(q_empty, count=1)  # every S of the tile is done: Q may be reloaded
+    _release_q(q_empty, Q_REGS)  # every S of the tile is done: Q may be reloaded
     last = num_blocks - 1
     v_buf = v_bufs.index((base + last) % STAGES)
     v_lo_buf = None
@@ -289,7 +284,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(4, DV_HI)
     o_lo_layout: gl.constexpr = lo_mma_layout(HEAD_DIM_V)
-    Q_WG: gl.constexpr = WG if q_desc_in_loop(HEAD_DIM, HEAD_DIM_V, BLOCK_N) else -1
+    Q_WG: gl.constexpr = WG if q_desc_in_loop(HEAD_DIM, HEAD_DIM_V, BLOCK_N) and not Q_REGS else -1
     if Q_WG >= 0:  # (`_q_view`)
         q_wg = q_smem._reinterpret(q_smem.dtype, [1, 64 * NUM_CONSUMERS, q_smem.shape[1]], q_smem.layout)
     else:
@@ -333,10 +328,8 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                         qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
                         BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs,
                         v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
-                elif Q_REGS:
-                    pass
                 else:
-                    mbarrier.arrive(q_empty, count=1)  # no S of this group reads Q
+                    _release_q(q_empty, Q_REGS)  # no S of this group reads Q
                 ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
                                         len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
             elif num_blocks > 0:
@@ -346,10 +339,8 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                     window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs, v_lo_bufs, o_lo_layout,
                     _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
-            elif Q_REGS:
-                pass
             else:
-                mbarrier.arrive(q_empty, count=1)
+                _release_q(q_empty, Q_REGS)
             if o_lo_layout is not None:
                 acc, acc_lo = acc
                 _store_cols(acc_lo, l_i, Out, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
@@ -405,6 +396,7 @@ def varlen_fwd_gluon_ws_kernel(
     gl.static_assert((q_lo_desc is None) == (part_hi(HEAD_DIM) == HEAD_DIM), "q/k: a lo part iff not a power of 2")
     gl.static_assert((k_lo_desc is None) == (q_lo_desc is None), "q and k come in the same parts")
     gl.static_assert((v_lo_desc is None) == (part_hi(HEAD_DIM_V) == HEAD_DIM_V), "v: a lo part iff not a power of 2")
+    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256")
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
     # one power-of-two head dim: the buffers (and the code) of the kernel before column parts
     PLAIN: gl.constexpr = (HEAD_DIM == HEAD_DIM_V) & (part_hi(HEAD_DIM) == HEAD_DIM)

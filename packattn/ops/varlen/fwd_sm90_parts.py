@@ -65,7 +65,7 @@ def _part_buffers(q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, BLOCK
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=NUM_CONSUMERS)
-    ready, empty = _ring_barriers(STAGES * (2 if SPLIT_KV else 1), NUM_CONSUMERS)
+    ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS, SPLIT_KV)
     return q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty
 
 
@@ -100,7 +100,6 @@ def _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bu
     tma.async_copy_global_to_shared(v_desc, [row, col_v], bar, v_bufs.index(slot), pred=pred)
     if v_lo_desc is not None:
         tma.async_copy_global_to_shared(v_lo_desc, [row, col_v + DV_HI], bar, v_lo_bufs.index(slot), pred=pred)
-
 
 
 @gluon.jit
@@ -141,7 +140,6 @@ def _store_cols(acc, l_i, Out, row0_q, q_start, len_q, head, stride_o_row, strid
     base = Out + row0_q * stride_o_row + head.to(gl.int64) * stride_o_head
     ptrs = base + rows[:, None] * stride_o_row + cols[None, :]
     gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < len_q)[:, None])
-
 
 
 @gluon.constexpr_function

@@ -46,37 +46,40 @@ def _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bu
 
 
 @gluon.jit
+def _col_v(col_kv, head_kv, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """V's first column for kv head ``head_kv``: K's (``col_kv``) where the head dims agree, else at V's own."""
+    if HEAD_DIM_V == HEAD_DIM:
+        col_v = col_kv
+    else:
+        col_v = head_kv * HEAD_DIM_V
+    return col_v
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block, row0_kv,
              n_lo, col_kv, head_kv, num_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              HEAD_DIM_V: gl.constexpr, PLAIN: gl.constexpr, SPLIT_KV: gl.constexpr):
     """One ring block's K and V once the consumers released its slot (`common_sm90._load_kv_block`; not
     ``PLAIN``: `fwd_sm90_parts._load_kv_parts`, K at ``col_kv``, V at kv head ``head_kv``'s columns of its own head
-    dim; ``SPLIT_KV``: `fwd_sm90_parts._load_kv_split`, K and V each after its own release)."""
+    dim; ``SPLIT_KV``: `_load_kv_split`, K and V each after its own release)."""
     if SPLIT_KV:
-        if HEAD_DIM_V == HEAD_DIM:
-            col_v = col_kv
-        else:
-            col_v = head_kv * HEAD_DIM_V
         _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, empty, block,
-                       row0_kv, n_lo, col_kv, col_v, STAGES, BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
+                       row0_kv, n_lo, col_kv, _col_v(col_kv, head_kv, HEAD_DIM, HEAD_DIM_V), STAGES, BLOCK_N,
+                       k_bufs.shape[2], v_bufs.shape[2])
     else:
         if PLAIN:
             _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, col_kv, num_blocks, STAGES,
                            BLOCK_N)
         else:
-            if HEAD_DIM_V == HEAD_DIM:
-                col_v = col_kv
-            else:
-                col_v = head_kv * HEAD_DIM_V
             _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bufs, v_lo_bufs, ready, block,
-                           row0_kv, n_lo, col_kv, col_v, num_blocks, STAGES, BLOCK_N, k_bufs.shape[2],
-                           v_bufs.shape[2])
+                           row0_kv, n_lo, col_kv, _col_v(col_kv, head_kv, HEAD_DIM, HEAD_DIM_V), num_blocks, STAGES,
+                           BLOCK_N, k_bufs.shape[2], v_bufs.shape[2])
 
 
 @gluon.jit
 def _wait_slot(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
     """Producer, one barrier a slot: wait until the consumers released ring block ``block``'s slot (``SPLIT_KV``:
-    nothing here, `fwd_sm90_parts._load_kv_split` waits for K's and V's release each)."""
+    nothing here, `_load_kv_split` waits for K's and V's release each)."""
     if SPLIT_KV:
         pass
     else:
@@ -106,6 +109,23 @@ def _release_k(empty, block, STAGES: gl.constexpr, SPLIT_KV: gl.constexpr):
     slot goes back once PV is done)."""
     if SPLIT_KV:
         mbarrier.arrive(empty.index(block % STAGES), count=1)
+
+
+@gluon.jit
+def _release_q(q_empty, Q_REGS: gl.constexpr):
+    """The consumer is done with the tile's Q in shared memory: arrive on ``q_empty``, unless ``Q_REGS`` (Q went to
+    registers at the tile's start and ``q_empty`` was arrived on then: one arrival a tile either way)."""
+    if Q_REGS:
+        pass
+    else:
+        mbarrier.arrive(q_empty, count=1)
+
+
+@gluon.constexpr_function
+def q_regs_ok(head_dim, head_dim_v):
+    """Can Q sit in registers (`configs.GluonConfig.q_in_regs`)? Not at 256: Q's 64 registers a thread beside the
+    256-column output accumulator's 128 spill."""
+    return max(int(head_dim), int(head_dim_v)) < 256
 
 
 @gluon.constexpr_function

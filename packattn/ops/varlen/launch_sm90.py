@@ -32,7 +32,7 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_di
     """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``) and the
     mbarriers."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)
+    ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)  # ready + empty a slot (`_ring_barriers`)
     return (cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size + 8 * (2 + ring_bars)
 
 
@@ -42,6 +42,12 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
     value head dim, None: ``head_dim``); in column parts or with a value head dim of its own (`in_parts`) the
     producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`)."""
     dv = head_dim if head_dim_v is None else head_dim_v
+    if cfg.q_in_regs:
+        from packattn.ops.varlen.fwd_sm90_ring import q_regs_ok
+
+        if not q_regs_ok(head_dim, dv):
+            raise ValueError(f"{cfg}: q_in_regs needs head dims below 256 (q/k {head_dim}, v {dv}): Q's registers "
+                             "beside the 256-column output accumulator spill")
     shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
     return parts_split(cfg.num_warps, shared) if in_parts(head_dim, dv) else ws_split(cfg.num_warps, shared)
 
