@@ -54,8 +54,8 @@ from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _rows_a
 from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
 from packattn.ops.varlen.fwd_sm90_parts import (_issue_qk_parts, _load_q_parts, _part_buffers, _pv_lo, _store_cols,
                                                 lo_mma_layout, part_hi, parts_ok)
-from packattn.ops.varlen.fwd_sm90_ring import (_load_kv, _q_view, _release_k, _release_q, _v_bar, _wait_slot,
-                                               _wait_v, q_desc_in_loop, q_regs_ok)
+from packattn.ops.varlen.fwd_sm90_ring import (_load_kv, _q_operands, _q_view, _release_k, _release_q, _v_bar,
+                                               _wait_slot, _wait_v, q_desc_in_loop)
 
 
 @gluon.jit
@@ -309,13 +309,9 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             if o_lo_layout is not None:  # the output in two column parts: a pair of accumulators
                 acc = (acc, gl.zeros([64, HEAD_DIM_V - DV_HI], gl.float32, o_lo_layout))
             mbarrier.wait(q_bar, loads_q & 1)
-            q_op = q_wg
-            q_lo_op = q_lo_wg
-            if Q_REGS:  # Q once into registers (the S products' A operand), its shared memory released
-                q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-                if q_lo_wg is not None:
-                    q_lo_op = q_lo_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-                mbarrier.arrive(q_empty, count=1)
+            q_op, q_lo_op = _q_operands(q_wg, q_lo_wg, q_empty, s_layout, HEAD_DIM, HEAD_DIM_V, Q_REGS)
+            if q_lo_wg is None:  # (the stand-in `_q_operands` returns)
+                q_lo_op = None
             if TRIM and num_blocks > 0:
                 b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
                                              chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
@@ -386,9 +382,8 @@ def varlen_fwd_gluon_ws_kernel(
     `packattn.ops.runtime.sm90.ws_split`. ``HEAD_DIM`` (q/k) and ``HEAD_DIM_V`` (v, out): a dim that is not a
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
-    ``RESCALE_THRESHOLD`` (None: off): `configs.GluonConfig.rescale_threshold`, lazy rescaling
-    (`common_sm90._new_max`). ``SPLIT_KV``: separate K and V ring barriers (`configs.GluonConfig.split_kv`);
-    ``Q_REGS``: Q in registers (`configs.GluonConfig.q_in_regs`)."""
+    ``RESCALE_THRESHOLD`` (None: off), ``SPLIT_KV``, ``Q_REGS``: `configs.GluonConfig`'s ``rescale_threshold``
+    (lazy rescaling, `common_sm90._new_max`), ``split_kv`` and ``q_in_regs`` (`fwd_sm90_ring`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -396,7 +391,6 @@ def varlen_fwd_gluon_ws_kernel(
     gl.static_assert((q_lo_desc is None) == (part_hi(HEAD_DIM) == HEAD_DIM), "q/k: a lo part iff not a power of 2")
     gl.static_assert((k_lo_desc is None) == (q_lo_desc is None), "q and k come in the same parts")
     gl.static_assert((v_lo_desc is None) == (part_hi(HEAD_DIM_V) == HEAD_DIM_V), "v: a lo part iff not a power of 2")
-    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256")
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
     # one power-of-two head dim: the buffers (and the code) of the kernel before column parts
     PLAIN: gl.constexpr = (HEAD_DIM == HEAD_DIM_V) & (part_hi(HEAD_DIM) == HEAD_DIM)

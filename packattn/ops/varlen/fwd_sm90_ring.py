@@ -121,6 +121,27 @@ def _release_q(q_empty, Q_REGS: gl.constexpr):
         mbarrier.arrive(q_empty, count=1)
 
 
+@gluon.jit
+def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                Q_REGS: gl.constexpr):
+    """The consumer's Q operands of the tile's S products once Q has landed: its shared-memory views ``(q_wg,
+    q_lo_wg)``, or with ``Q_REGS`` both loaded into registers (the wgmma A operand layout) and Q's shared memory
+    released on ``q_empty`` at once (`_release_q` then arrives no more). ``q_lo_wg``: None without a second part;
+    the second operand returned is then a stand-in (the first: a jit function cannot return None)."""
+    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256")
+    q_op = q_wg
+    if Q_REGS:
+        q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    q_lo_op = q_op
+    if q_lo_wg is not None:
+        q_lo_op = q_lo_wg
+        if Q_REGS:
+            q_lo_op = q_lo_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    if Q_REGS:
+        mbarrier.arrive(q_empty, count=1)
+    return q_op, q_lo_op
+
+
 @gluon.constexpr_function
 def q_regs_ok(head_dim, head_dim_v):
     """Can Q sit in registers (`configs.GluonConfig.q_in_regs`)? Not at 256: Q's 64 registers a thread beside the
