@@ -7,8 +7,11 @@ consumers' side of its barriers, and the views of Q its S products read.
   ``[STAGES + slot]`` for V; K goes back to the producer once S is done, V once PV is (`_load_kv_split`,
   `_v_bar`, `_wait_v`, `_release_k`), so the next K loads under the softmax and PV.
 * Q's descriptors (`q_desc_in_loop`, `_q_view`): at d = 256 with 64-key blocks built per S inside the loop.
+* ``Q_REGS`` (`configs.GluonConfig.q_in_regs`): Q loaded into registers at the tile's start and its shared memory
+  released at once (`_q_operands`); otherwise released after the tile's last S (`_release_q`); refused at head
+  dims of 256 (`q_regs_ok`).
 
-Without ``SPLIT_KV`` the helpers emit the code of the kernel before the split barriers (same PTX).
+Without ``SPLIT_KV`` / ``Q_REGS`` the helpers emit the code of the kernel before them (same PTX).
 """
 
 from triton.experimental import gluon
