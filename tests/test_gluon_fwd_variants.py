@@ -72,19 +72,28 @@ def test_forward_launch_passes_the_variant_constexprs(cfg, want, split, monkeypa
     assert want is None or isinstance(kwargs["RESCALE_THRESHOLD"], float)
 
 
+def _main_loops(dims, config: str, timeout: int) -> list[str]:
+    """Compile the forward at ``dims`` (causal) with ``config`` for sm_90a in a subprocess
+    (`check_gluon_compile.check_variant`), assert no spills and the softmax overlapping PV, and return the two
+    consumers' main-loop lines (their barrier counts)."""
+    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
+              f"problem, text = c.check_variant('bf16', {dims!r}, 'R', {config!r})\n"
+              "print(text, flush=True)\n"
+              "sys.exit(1 if problem else 0)\n")
+    stdout = compile_check(script, timeout=timeout)
+    assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
+    mains = [line for line in stdout.splitlines() if "kind=main" in line]
+    assert len(mains) == 2
+    return mains
+
+
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
 def test_lazy_rescaling_compiles_for_sm90a_without_spills():
     """Lazy rescaling at d = 64 (the causal mask): compiles, no spills, the softmax still overlaps the PV wgmma,
     and the rescale's warp-group reduction adds no CTA-wide barrier to the main loop
     (`check_gluon_compile.check_variant`)."""
-    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
-              "problem, text = c.check_variant('bf16', (64, 64), 'R', '128,128,4,8,lazy=8')\n"
-              "print(text, flush=True)\n"
-              "sys.exit(1 if problem else 0)\n")
-    stdout = compile_check(script, timeout=120)
-    assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
-    mains = [line for line in stdout.splitlines() if "kind=main" in line]
-    assert len(mains) == 2 and all("cta_bar=0" in line for line in mains)
+    mains = _main_loops((64, 64), "128,128,4,8,lazy=8", timeout=120)
+    assert all("cta_bar=0" in line for line in mains)
     # one ring barrier a slot: each main loop waits for its block once and releases it once
     assert all("mbar_wait=1 mbar_arrive=1" in line for line in mains)
 
@@ -106,14 +115,7 @@ def test_split_kv_compiles_for_sm90a_without_spills(dims, config):
     the skip path too): no spills (at d = 256 Q's descriptors are built per S), the softmax overlaps PV, and each
     consumer's main loop waits on two ring barriers (K for S, V for PV) and releases two (one barrier a slot
     waits and releases one: `test_lazy_rescaling_compiles_for_sm90a_without_spills`)."""
-    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
-              f"problem, text = c.check_variant('bf16', {dims!r}, 'R', {config!r})\n"
-              "print(text, flush=True)\n"
-              "sys.exit(1 if problem else 0)\n")
-    stdout = compile_check(script, timeout=240)
-    assert "overlap OK" in stdout and " 0 bytes spill stores" in stdout
-    mains = [line for line in stdout.splitlines() if "kind=main" in line]
-    assert len(mains) == 2 and all("mbar_wait=2 mbar_arrive=2" in line for line in mains)
+    assert all("mbar_wait=2 mbar_arrive=2" in line for line in _main_loops(dims, config, timeout=240))
 
 
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
