@@ -147,8 +147,7 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
     for b in range(b_from, b_to):
         slot = (base + b) % STAGES
         mbarrier.wait(ready.index(slot), ((base + b) // STAGES) & 1)
-        if SPLIT_KV:
-            mbarrier.wait(ready.index(STAGES + slot), ((base + b) // STAGES) & 1)
+        _wait_v(ready, base + b, STAGES, SPLIT_KV)
         if (b == num_blocks - 1) & (n_lo + num_blocks * BLOCK_N > len_kv):
             v_lo_buf = None
             if v_lo_bufs is not None:
@@ -158,7 +157,7 @@ def _ws_skip_blocks(v_bufs, ready, empty, wg_bars, base, b_from, b_to, n_lo, num
             ntail += 1
         mbarrier.arrive(empty.index(slot), count=1)
         if SPLIT_KV:
-            mbarrier.arrive(empty.index(STAGES + slot), count=1)
+            mbarrier.arrive(empty.index(_v_bar(base + b, STAGES, SPLIT_KV)), count=1)
     return ntail
 
 
