@@ -267,6 +267,35 @@ def _ws_attend(q_wg, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, base, ntail
 
 
 @gluon.jit
+def _ws_attend_trim(q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m, offs_n,
+                    q_wg_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2, window_left,
+                    window_right, chunk_size, s_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
+                    NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, DV_HI: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
+                    q_lo_op, k_lo_bufs, v_lo_bufs, o_lo_layout: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                    SPLIT_KV: gl.constexpr, Q_WG: gl.constexpr, Q_REGS: gl.constexpr):
+    """``TRIM``: `_ws_attend` on the blocks ``[b_lo, b_hi)`` of the tile that hold a key visible to this consumer's
+    rows (`_wg_block_range`), the others waited for and released (`_ws_skip_blocks`). Returns ``(acc, m, l,
+    ntail)``."""
+    b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right, chunk_size,
+                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
+    ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv, ntail, WG,
+                            NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
+    if b_hi > b_lo:
+        acc, m_i, l_i, ntail = _ws_attend(
+            q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i, acc, offs_m, offs_n,
+            n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv, qk_scale_log2, window_left,
+            window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, HAS_LEFT,
+            HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs, v_lo_bufs, o_lo_layout, RESCALE_THRESHOLD, SPLIT_KV,
+            Q_WG, Q_REGS)
+    else:
+        _release_q(q_empty, Q_REGS)  # no S of this group reads Q
+    ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks, len_kv, ntail,
+                            WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
+    return acc, m_i, l_i, ntail
+
+
+@gluon.jit
 def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
@@ -312,21 +341,12 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
             if q_lo_wg is None:  # (the stand-in `_q_operands` returns)
                 q_lo_op = None
             if TRIM and num_blocks > 0:
-                b_lo, b_hi = _wg_block_range(q_wg_start, len_q, len_kv, n_lo, num_blocks, window_left, window_right,
-                                             chunk_size, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT)
-                ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, 0, b_lo, n_lo, num_blocks, len_kv,
-                                        ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
-                if b_hi > b_lo:
-                    acc, m_i, l_i, ntail = _ws_attend(
-                        q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block + b_lo, ntail, m_i, l_i,
-                        acc, offs_m, offs_n, n_lo + b_lo * BLOCK_N, n_mid_lo, n_mid_hi, b_hi - b_lo, len_q, len_kv,
-                        qk_scale_log2, window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS,
-                        BLOCK_N, DV_HI, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs,
-                        v_lo_bufs, o_lo_layout, _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
-                else:
-                    _release_q(q_empty, Q_REGS)  # no S of this group reads Q
-                ntail = _ws_skip_blocks(v_bufs, ready, empty, wg_bars, block, b_hi, num_blocks, n_lo, num_blocks,
-                                        len_kv, ntail, WG, NUM_CONSUMERS, BLOCK_N, DV_HI, STAGES, v_lo_bufs, SPLIT_KV)
+                acc, m_i, l_i, ntail = _ws_attend_trim(
+                    q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
+                    offs_n, q_wg_start, n_lo, n_mid_lo, n_mid_hi, num_blocks, len_q, len_kv, qk_scale_log2,
+                    window_left, window_right, chunk_size, s_layout, o_layout, WG, NUM_CONSUMERS, BLOCK_N, DV_HI,
+                    STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, q_lo_op, k_lo_bufs, v_lo_bufs, o_lo_layout,
+                    _rescale_threshold(RESCALE_ARG), SPLIT_KV, Q_WG, Q_REGS)
             elif num_blocks > 0:
                 acc, m_i, l_i, ntail = _ws_attend(
                     q_op, k_bufs, v_bufs, ready, empty, q_empty, wg_bars, block, ntail, m_i, l_i, acc, offs_m,
