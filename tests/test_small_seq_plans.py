@@ -6,6 +6,7 @@ argument-layout check of a plan, and the limits: torch.func transforms and doubl
 import pytest
 import torch
 from test_small_seq import make_inputs
+from triton_varlen_harness import DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import packattn
@@ -72,10 +73,10 @@ def call_args(variant=None) -> tuple:
     change = VARIANTS[variant] if variant else {}
     gen = torch.Generator().manual_seed(1)
     dtype = change.get("dtype", torch.float16)
-    q, k, v, dout = (torch.randn(*shape, generator=gen).to(dtype) for shape in
+    q, k, v, dout = (torch.randn(*shape, generator=gen).to(DEVICE, dtype) for shape in
                      ((4, 4, 64), (16, 2, 64), (16, 2, 64), (4, 4, 64)))
     q, k, v = (change.get(name, lambda x: x)(x).requires_grad_() for name, x in (("q", q), ("k", k), ("v", v)))
-    items = torch.tensor(change.get("items", _BASE_ITEMS), dtype=torch.int32)
+    items = torch.tensor(change.get("items", _BASE_ITEMS), dtype=torch.int32, device=DEVICE)
     opts = (change.get("scale", 0.125), change.get("padded_q", False), change.get("padded_kv", False),
             change.get("kv_fill", 0))
     return (q, k, v, items, *opts), dout
