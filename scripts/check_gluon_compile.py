@@ -67,7 +67,7 @@ def _descriptor_type(dtype: torch.dtype, block: list[int]) -> str:
 
 
 def parse_config(text: str) -> GluonConfig:
-    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]"`` as a `GluonConfig` (``lazy=T``:
+    """``"block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]"`` as a `GluonConfig` (``lazy=T``:
     ``rescale_threshold=T``)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
     extra = {"trim": False}
@@ -79,12 +79,14 @@ def parse_config(text: str) -> GluonConfig:
             extra["split_kv"] = True
         elif part == "qregs":
             extra["q_in_regs"] = True
+        elif part == "vec":
+            extra["vec_store"] = True
         elif name == "lazy" and value:
             extra["rescale_threshold"] = float(value)
         else:
-            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
+            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
     if len(parts) < 4:
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
+        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
     return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 
@@ -108,7 +110,8 @@ def table_key(dims: tuple[int, int]):
 def label_of(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m},{cfg.block_n},{cfg.stages},{cfg.num_warps}" + (",trim" if cfg.trim else "")
             + ("" if cfg.rescale_threshold is None else f",lazy={cfg.rescale_threshold:g}")
-            + (",split" if cfg.split_kv else "") + (",qregs" if cfg.q_in_regs else ""))
+            + (",split" if cfg.split_kv else "") + (",qregs" if cfg.q_in_regs else "")
+            + (",vec" if cfg.vec_store else ""))
 
 
 def selected_configs(dims) -> list[GluonConfig]:
@@ -148,7 +151,7 @@ def compile_variant(dtype_name: str, dims, mask: str, cfg=None):
     blocks = part_blocks((d, dv), cfg.block_m, cfg.block_n)
     constexprs.update({name: None for name, block in blocks.items() if block is None})
     options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}
-    aligned = set(POINTERS) | {"stride_o_row", "stride_lse_head"}  # (rows, heads, d) contiguous: d | stride
+    aligned = set(POINTERS) | {"stride_o_row", "stride_o_head", "stride_lse_head"}  # (rows, heads, d): d | strides
     compiled = compile_forward_kernel(varlen_fwd_gluon_ws_kernel, dtype_name, d, cfg.block_m, cfg.block_n,
                                       constexprs, options, POINTERS, aligned, blocks)
     return cfg, compiled
@@ -402,7 +405,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs]")
+                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -77,6 +77,7 @@ OPT_IN = {
     "qregs-trim": ({"block_n": 64, "stages": 4, "trim": True, "q_in_regs": True}, ((128, 128), (192, 128)),
                    ("causal", "window")),
     "qregs-split": ({"q_in_regs": True, "split_kv": True}, ((128, 128), (192, 192)), ("causal", "chunk")),
+    "vec": ({"vec_store": True}, ((64, 64), (96, 96), (128, 64)), ("causal", "causal-tl", "none", "window", "chunk")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)

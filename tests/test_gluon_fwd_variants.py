@@ -39,8 +39,8 @@ class _Recording:
 
 
 def test_variant_flags_are_validated_and_split_kv_counts_its_barriers():
-    for fields in ({"split_kv": 1}, {"q_in_regs": "yes"}):
-        with pytest.raises(TypeError, match="split_kv and q_in_regs must be bools"):
+    for fields in ({"split_kv": 1}, {"q_in_regs": "yes"}, {"vec_store": None}):
+        with pytest.raises(TypeError, match="split_kv, q_in_regs and vec_store must be bools"):
             GluonConfig(128, 64, 2, 8, **fields)
     one, split = GluonConfig(128, 64, 2, 8), GluonConfig(128, 64, 2, 8, split_kv=True)
     # Q + the ring + q_bar / q_empty and one ready / empty pair per slot, twice as many with split_kv
@@ -96,6 +96,36 @@ def test_lazy_rescaling_compiles_for_sm90a_without_spills():
     assert all("cta_bar=0" in line for line in mains)
     # one ring barrier a slot: each main loop waits for its block once and releases it once
     assert all("mbar_wait=1 mbar_arrive=1" in line for line in mains)
+
+
+def test_vec_store_counts_its_scratch_and_is_refused_where_it_does_not_fit():
+    """The 16-byte output stores convert each consumer's 64 output rows through shared memory: `shared_bytes` counts
+    that scratch (the first value part's columns), the launch passes ``VEC_STORE``, and a config whose shared memory
+    it pushes over a CTA's (d = 128 with 3 stages of 128-key blocks) is refused before a kernel compiles."""
+    plain, vec = GluonConfig(128, 128, 4, 8), GluonConfig(128, 128, 4, 8, vec_store=True)
+    assert launch_sm90.shared_bytes(vec, 64) == launch_sm90.shared_bytes(plain, 64) + 128 * 64 * 2
+    assert launch_sm90.shared_bytes(GluonConfig(128, 128, 3, 8, vec_store=True), 96) == (
+        launch_sm90.shared_bytes(GluonConfig(128, 128, 3, 8), 96) + 128 * 64 * 2)  # 96 = 64 + 32: the 64 part
+    assert launch_sm90.fwd_variant_constexprs(vec)["VEC_STORE"] is True
+    assert launch_sm90.fwd_variant_constexprs(plain)["VEC_STORE"] is False
+    assert launch_sm90.fwd_resources(vec, 64)["ctas_per_sm"] == 1
+    with pytest.raises(ValueError, match="bytes of shared memory at head dims 128 / 128"):
+        launch_sm90.fwd_resources(GluonConfig(128, 128, 3, 8, vec_store=True), 128)
+
+
+@pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
+def test_vec_store_compiles_to_16_byte_stores():
+    """``vec_store`` at d = 64: no spills, the softmax still overlaps PV, and the output leaves in 16-byte vector
+    stores (``st.global.v4.b32``, 4 a thread of each consumer) where the default stores 4-byte column pairs."""
+    script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
+              "for cfg in ('128,128,4,8,vec', '128,128,4,8'):\n"
+              "    problem, text = c.check_variant('bf16', (64, 64), 'R', cfg)\n"
+              "    print(text, flush=True)\n"
+              "    if problem: sys.exit(1)\n"
+              "    _, compiled = c.compile_variant('bf16', (64, 64), 'R', c.parse_config(cfg))\n"
+              "    print(cfg, 'v4 stores', compiled.asm['ptx'].count('st.global.v4.b32'), flush=True)\n")
+    stdout = compile_check(script, timeout=240)
+    assert "128,128,4,8,vec v4 stores 8" in stdout and "128,128,4,8 v4 stores 0" in stdout
 
 
 def test_q_in_registers_is_refused_at_256():

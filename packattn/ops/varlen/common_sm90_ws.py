@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.runtime import launch
-from packattn.ops.varlen.common_sm90 import _tile_row
+from packattn.ops.varlen.common_sm90 import _tile_row, row_store_layout
 
 LN2 = gl.constexpr(launch.LN2)
 
@@ -142,10 +142,13 @@ def _ws_tile_start(q_wg_start, s_layout: gl.constexpr, o_layout: gl.constexpr, B
 
 @gluon.jit
 def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_row, stride_o_head,
-               stride_lse_head, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+               stride_lse_head, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+               VEC_STORE: gl.constexpr = False):
     """Store rows ``q_start + i < len_q``: ``out = acc / l`` in ``Out``'s dtype and ``lse = (m + log2 l) ln 2``
     (``out = 0``, ``lse = -inf`` where ``l = 0``: the row saw no key), straight from the accumulator layout
-    (each thread writes pairs of adjacent columns), so no shared memory: Q's buffer is not needed."""
+    (each thread writes pairs of adjacent columns), so no shared memory: Q's buffer is not needed. ``VEC_STORE``
+    (`configs.GluonConfig.vec_store`): the output converted to whole-row 16-byte vectors first (shared-memory
+    scratch)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     empty = l_o == 0.0
     l_safe = gl.where(empty, 1.0, l_o)
@@ -154,7 +157,11 @@ def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_r
     lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
     rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     gl.store(Lse + head.to(gl.int64) * stride_lse_head + row0_q + rows, lse, mask=rows < len_q)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    out_layout: gl.constexpr = row_store_layout(4, HEAD_DIM) if VEC_STORE else o_layout
+    if VEC_STORE:
+        out = gl.convert_layout(out.to(Out.dtype.element_ty), out_layout)
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
     base = Out + row0_q * stride_o_row + head.to(gl.int64) * stride_o_head
     ptrs = base + rows[:, None] * stride_o_row + cols[None, :]
     gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < len_q)[:, None])
@@ -162,7 +169,8 @@ def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_r
 
 @gluon.jit
 def _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-                 stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Store one consumer's 64 rows (those before ``len_q``) from registers (Q was released already)."""
+                 stride_lse_head, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, VEC_STORE: gl.constexpr = False):
+    """Store one consumer's 64 rows (those before ``len_q``) from registers (Q was released already);
+    ``VEC_STORE``: `_store_out`."""
     _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_wg_start, len_q, head, stride_o_row, stride_o_head,
-               stride_lse_head, o_layout, 64, HEAD_DIM)
+               stride_lse_head, o_layout, 64, HEAD_DIM, VEC_STORE)

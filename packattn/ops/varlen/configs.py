@@ -147,6 +147,9 @@ class GluonConfig:
     # Q as the S product's A operand in registers (loaded once a tile, its shared memory released at once) instead
     # of read from shared memory by every wgmma
     q_in_regs: bool = False
+    # the output stored as 16-byte row vectors through a shared-memory layout conversion (its scratch added to the
+    # CTA's shared memory) instead of 4-byte column pairs straight from the accumulator registers
+    vec_store: bool = False
 
     def __post_init__(self):
         if self.block_m != 16 * self.num_warps or self.block_m not in (64, 128):
@@ -156,8 +159,8 @@ class GluonConfig:
         t = self.rescale_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 15):
             raise ValueError(f"{self}: rescale_threshold must be None or a number in [0, 15]")
-        if not isinstance(self.split_kv, bool) or not isinstance(self.q_in_regs, bool):
-            raise TypeError(f"{self}: split_kv and q_in_regs must be bools")
+        if not all(isinstance(flag, bool) for flag in (self.split_kv, self.q_in_regs, self.vec_store)):
+            raise TypeError(f"{self}: split_kv, q_in_regs and vec_store must be bools")
 
 
 # d = 128, 128 x 128, 3 stages: Q 32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB of 227; d = 64 has room for a

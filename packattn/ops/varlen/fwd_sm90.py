@@ -13,7 +13,8 @@ a persistent grid of programs takes items ``pid, pid + nprog, ...``. Partitions 
   After the tile's last S it arrives ``q_empty``; the output is stored from the accumulator registers
   (`common_sm90_ws._store_out`), so the next tile's Q loads under this tile's last PV and epilogue.
   ``Q_REGS`` (`configs.GluonConfig.q_in_regs`): Q is loaded into registers at the tile's start and ``q_empty``
-  arrived on at once.
+  arrived on at once. ``VEC_STORE`` (`configs.GluonConfig.vec_store`): the output goes through a shared-memory
+  layout conversion (its own scratch, not Q's buffer) into 16-byte row stores.
 * producer (1 warp): per tile the first K/V block, then Q (after ``q_empty``), then the other blocks, each into
   ring slot ``block % STAGES`` after ``empty`` of that slot.
 
@@ -302,11 +303,13 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                  q_empty, ready, empty, wg_bars, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr, TRIM: gl.constexpr,
-                 RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False, Q_REGS: gl.constexpr = False):
+                 RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False, Q_REGS: gl.constexpr = False,
+                 VEC_STORE: gl.constexpr = False):
     """Consumer warp group ``WG`` (4 warps): query rows ``[64 WG, 64 WG + 64)`` of every tile of
     this program; with ``TRIM`` only the tile's blocks that hold a key visible to them (module docstring).
     ``RESCALE_ARG``: the kernel's ``RESCALE_THRESHOLD`` as `_rescale_arg` passes it; ``SPLIT_KV``: `_ws_attend`;
-    ``Q_REGS``: each tile's Q is loaded into registers and released on ``q_empty`` at once.
+    ``Q_REGS``: each tile's Q is loaded into registers and released on ``q_empty`` at once; ``VEC_STORE``:
+    `common_sm90_ws._store_out`.
     The ``lo`` buffers: the second column parts of Q / K and of V (`fwd_sm90_parts`), or None."""
     DV_HI: gl.constexpr = part_hi(HEAD_DIM_V)
     s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
@@ -361,7 +364,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
                 _store_cols(acc_lo, l_i, Out, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
                             stride_o_head, DV_HI, o_lo_layout, 64, HEAD_DIM_V - DV_HI)
             _ws_epilogue(acc, m_i, l_i, Out, Lse, row0_q.to(gl.int64), q_wg_start, len_q, head, stride_o_row,
-                         stride_o_head, stride_lse_head, o_layout, DV_HI)
+                         stride_o_head, stride_lse_head, o_layout, DV_HI, VEC_STORE)
             block += num_blocks
             loads_q += 1
 
@@ -374,13 +377,13 @@ def _ws_consumer_worker(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offset
                         HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr, TOP_LEFT: gl.constexpr,
                         TRIM: gl.constexpr, RESCALE_ARG: gl.constexpr = -1.0, SPLIT_KV: gl.constexpr = False,
-                        Q_REGS: gl.constexpr = False):
+                        Q_REGS: gl.constexpr = False, VEC_STORE: gl.constexpr = False):
     """The second consumer warp group (rows 64..127) as a worker partition."""
     _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv, stride_o_row,
                  stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2, window_left, window_right,
                  chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar,
                  q_empty, ready, empty, wg_bars, 1, 2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, SPLIT_KV, Q_REGS)
+                 HAS_CHUNK, TOP_LEFT, TRIM, RESCALE_ARG, SPLIT_KV, Q_REGS, VEC_STORE)
 
 
 @gluon.jit
@@ -388,21 +391,21 @@ def varlen_fwd_gluon_ws_kernel(
     q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, Out, Lse, tiles,
     cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
     stride_o_row, stride_o_head, stride_lse_head,
-    num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work,
-    heads_per_section,
+    num_heads_q, group_size, qk_scale_log2, window_left, window_right, chunk_size, num_work, heads_per_section,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_CHUNK: gl.constexpr,
     TOP_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     TRIM: gl.constexpr = False, RESCALE_THRESHOLD: gl.constexpr = None, SPLIT_KV: gl.constexpr = False,
-    Q_REGS: gl.constexpr = False,
+    Q_REGS: gl.constexpr = False, VEC_STORE: gl.constexpr = False,
 ):
     """The forward of ``num_work = tiles.shape[0] * num_heads_q`` work items over the grid (module docstring).
     Launch with ``num_warps = 4`` and ``maxnreg`` / ``CONSUMER_REGS`` / ``PRODUCER_REGS`` from
     `packattn.ops.runtime.sm90.ws_split`. ``HEAD_DIM`` (q/k) and ``HEAD_DIM_V`` (v, out): a dim that is not a
     power of two comes in two column parts (`fwd_sm90_parts`): ``q_desc`` / ``k_desc`` / ``v_desc`` with blocks
     of the first part's columns, ``*_lo_desc`` of the second's (None where the dim is a power of two).
-    ``RESCALE_THRESHOLD`` (None: off), ``SPLIT_KV``, ``Q_REGS``: `configs.GluonConfig`'s ``rescale_threshold``
-    (lazy rescaling, `common_sm90._new_max`), ``split_kv`` and ``q_in_regs`` (`fwd_sm90_ring`)."""
+    ``RESCALE_THRESHOLD`` (None: off), ``SPLIT_KV``, ``Q_REGS``, ``VEC_STORE``: `configs.GluonConfig`'s
+    ``rescale_threshold`` (lazy rescaling, `common_sm90._new_max`), ``split_kv`` and ``q_in_regs``
+    (`fwd_sm90_ring`), ``vec_store`` (`common_sm90_ws._store_out`)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "one consumer warp group per 64 query rows")
     gl.static_assert(STAGES >= 2, "ring of at least two K/V slots")
@@ -438,13 +441,13 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS, VEC_STORE)),
             (_ws_consumer_worker, (Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, row_offsets_kv,
                                    stride_o_row, stride_o_head, stride_lse_head, num_heads_q, group_size, qk_scale_log2,
                                    window_left, window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs,
                                    v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                                   _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
+                                   _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS, VEC_STORE)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,
@@ -457,7 +460,7 @@ def varlen_fwd_gluon_ws_kernel(
                             window_right, chunk_size, num_work, heads_per_section, q_smem, k_bufs, v_bufs, q_lo,
                             k_lo_bufs, v_lo_bufs, q_bar, q_empty, ready, empty, wg_bars, 0, NUM_CONSUMERS, HEAD_DIM,
                             HEAD_DIM_V, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TRIM,
-                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS)),
+                            _rescale_arg(RESCALE_THRESHOLD), SPLIT_KV, Q_REGS, VEC_STORE)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_lo_desc, k_lo_desc, v_lo_desc, tiles, cu_seqlens_q,
                             cu_seqlens_kv, row_offsets_q, row_offsets_kv, num_heads_q, group_size, num_work,
                             heads_per_section, q_smem, k_bufs, v_bufs, q_lo, k_lo_bufs, v_lo_bufs, q_bar, q_empty,

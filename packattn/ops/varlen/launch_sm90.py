@@ -18,7 +18,7 @@ import torch
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
-from packattn.ops.runtime.sm90 import (_as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
+from packattn.ops.runtime.sm90 import (SM_SHARED, _as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, heads_per_section
 from packattn.ops.varlen.launch_sm90_bwd_parts import (check_no_key_split, dkdv_parts_shared_bytes,
@@ -33,7 +33,10 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_di
     mbarriers."""
     dv = head_dim if head_dim_v is None else head_dim_v
     ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)  # ready + empty a slot (`_ring_barriers`)
-    return (cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size + 8 * (2 + ring_bars)
+    # ``vec_store``: each consumer's layout conversion of its 64 output rows (the first value part's columns)
+    store = cfg.block_m * (1 << (dv.bit_length() - 1)) if cfg.vec_store else 0
+    return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv) + store) * element_size
+            + 8 * (2 + ring_bars))
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +52,9 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
             raise ValueError(f"{cfg}: q_in_regs needs head dims below 256 (q/k {head_dim}, v {dv}): Q's registers "
                              "beside the 256-column output accumulator spill")
     shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
+    if shared > SM_SHARED - 1024:
+        raise ValueError(f"{cfg}: {shared} bytes of shared memory at head dims {head_dim} / {dv}, over the "
+                         f"{SM_SHARED - 1024} a CTA may use")
     return parts_split(cfg.num_warps, shared) if in_parts(head_dim, dv) else ws_split(cfg.num_warps, shared)
 
 
@@ -146,9 +152,11 @@ def gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale: float, mask: Mask, cf
 
 def fwd_variant_constexprs(cfg: GluonConfig) -> dict:
     """The forward kernel's constexprs of ``cfg``'s variants: ``RESCALE_THRESHOLD`` (lazy rescaling), None (off) or
-    a float; ``SPLIT_KV`` (separate K and V ring barriers); ``Q_REGS`` (Q in registers)."""
+    a float; ``SPLIT_KV`` (separate K and V ring barriers); ``Q_REGS`` (Q in registers); ``VEC_STORE`` (16-byte
+    output stores)."""
     t = cfg.rescale_threshold
-    return {"RESCALE_THRESHOLD": None if t is None else float(t), "SPLIT_KV": cfg.split_kv, "Q_REGS": cfg.q_in_regs}
+    return {"RESCALE_THRESHOLD": None if t is None else float(t), "SPLIT_KV": cfg.split_kv, "Q_REGS": cfg.q_in_regs,
+            "VEC_STORE": cfg.vec_store}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, tiles, seq_args, scale: float, mask: Mask, cfg: GluonBwdConfig,
