@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import _smem_layout, ws_split  # noqa: E402
+from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, ws_split  # noqa: E402
 from packattn.ops.tree.configs import TREE_DQ_CONFIGS  # noqa: E402
 from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel  # noqa: E402
 from packattn.ops.tree.launch_sm90 import tree_dq_resources  # noqa: E402
@@ -56,7 +56,7 @@ from check_gluon_compile import parse_dims, ptxas_report, sass_register_regions 
 from ptx_identity import kernel_signature  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+SHARED_LIMIT = CTA_SHARED  # bytes of shared memory one CTA may use on sm_90
 # L(eft window) R(ight window / causal) C(hunk) T(op-left); "" = no mask
 MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
 KERNELS = ("dkdv", "dq")

@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import _smem_layout, ws_split  # noqa: E402
+from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, ws_split  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
@@ -53,7 +53,8 @@ from packattn.ops.varlen.launch_sm90 import (  # noqa: E402
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+SHARED_LIMIT = CTA_SHARED  # bytes of shared memory one CTA may use on sm_90
+CONFIG_FORM = "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]"  # `parse_config`
 # L(eft window) R(ight window / causal) C(hunk) T(op-left); "" = no mask
 MASKS = ["", "R", "RT", "L", "LR", "LRT", "C", "CR", "CRT", "LCR"]
 POINTERS = ("Out", "Lse", "tiles", "cu_seqlens_q", "cu_seqlens_kv", "row_offsets_q", "row_offsets_kv")
@@ -84,9 +85,9 @@ def parse_config(text: str) -> GluonConfig:
         elif name == "lazy" and value:
             extra["rescale_threshold"] = float(value)
         else:
-            raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
+            raise ValueError(f"{text!r}: expected {CONFIG_FORM}")
     if len(parts) < 4:
-        raise ValueError(f"{text!r}: expected block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
+        raise ValueError(f"{text!r}: expected {CONFIG_FORM}")
     return GluonConfig(*(int(x) for x in parts[:4]), **extra)
 
 

@@ -20,8 +20,9 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py [--dims 96 192 192:128 128:64] [--no-time]
 
 ``--opt-in``: instead, the variants of `OPT_IN` (lazy rescaling, `GluonConfig.rescale_threshold`; separate K / V
-barriers, `GluonConfig.split_kv`; Q in registers, `q_in_regs`; other tiles) on each dim's table config, at the
-forward head dims each names (64, 96, 128, 192, 256, MLA) and masks (causal both alignments, none, window, chunk),
+barriers, `GluonConfig.split_kv`; Q in registers, `q_in_regs`; 16-byte output stores, `vec_store`; other tiles) on
+each dim's table config, at the forward head dims each names (64, 96, 128, 192, 256, MLA) and masks (causal both
+alignments, none, window, chunk),
 on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence x (1 + 3 t /
 len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal too;
 each line gives the table config's errors beside. ``--only`` names variants of `OPT_IN`.
@@ -77,7 +78,8 @@ OPT_IN = {
     "qregs-trim": ({"block_n": 64, "stages": 4, "trim": True, "q_in_regs": True}, ((128, 128), (192, 128)),
                    ("causal", "window")),
     "qregs-split": ({"q_in_regs": True, "split_kv": True}, ((128, 128), (192, 192)), ("causal", "chunk")),
-    "vec": ({"vec_store": True}, ((64, 64), (96, 96), (128, 64)), ("causal", "causal-tl", "none", "window", "chunk")),
+    "vec": ({"vec_store": True}, ((64, 64), (96, 96)), ("causal", "causal-tl", "none", "window", "chunk")),
+    "vec-s3": ({"vec_store": True, "stages": 3}, ((128, 64),), ("causal", "window", "chunk")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]
 TOL = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (3e-3, 1e-3)}  # (rel L2 of out, max |lse error|)
@@ -246,7 +248,8 @@ def opt_in_correctness(all_dims, only=None) -> int:
 def _cfg(cfg: GluonConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.stages}" + ("t" if cfg.trim else "")
             + ("" if cfg.rescale_threshold is None else f" lazy{cfg.rescale_threshold:g}")
-            + (" split" if cfg.split_kv else "") + (" qregs" if cfg.q_in_regs else ""))
+            + (" split" if cfg.split_kv else "") + (" qregs" if cfg.q_in_regs else "")
+            + (" vec" if cfg.vec_store else ""))
 
 
 def median_ms(fn) -> float:

@@ -6,8 +6,8 @@ argument-layout check of a plan, and the limits: torch.func transforms and doubl
 import pytest
 import torch
 from test_small_seq import make_inputs
-from triton_varlen_harness import DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_varlen_harness import DEVICE
 
 import packattn
 from packattn.ops.runtime import fast_launch

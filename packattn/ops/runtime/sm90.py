@@ -14,6 +14,7 @@ import torch
 from packattn.ops.runtime import support
 
 SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (each CTA also takes 1 KB of it)
+CTA_SHARED = SM_SHARED - 1024  # the most one CTA may use
 SM_REGISTERS = 65536
 PRODUCER_REGS = 24  # the TMA warp only holds scalars (24 is the least setmaxnreg allows)
 MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230 (BLOCK_N 128) registers

@@ -128,7 +128,7 @@ def triton_config(kernel: str, q: torch.Tensor, v: torch.Tensor, long_seqs: bool
 class GluonConfig:
     """A configuration of the warp-specialised Gluon forward (`packattn.ops.varlen.fwd_sm90`): a 1-warp TMA
     producer and one consumer partition per warp group of 64 query rows, a persistent grid, the output stored
-    from registers."""
+    from registers (``vec_store``: through shared memory)."""
 
     block_m: int  # queries per tile: one consumer warp group per 64 rows, so block_m == 16 * num_warps
     block_n: int  # keys per block
@@ -147,8 +147,9 @@ class GluonConfig:
     # Q as the S product's A operand in registers (loaded once a tile, its shared memory released at once) instead
     # of read from shared memory by every wgmma
     q_in_regs: bool = False
-    # the output stored as 16-byte row vectors through a shared-memory layout conversion (its scratch added to the
-    # CTA's shared memory) instead of 4-byte column pairs straight from the accumulator registers
+    # the output (its first value part: all of a power-of-two value dim) stored as 16-byte row vectors through a
+    # shared-memory layout conversion (its scratch added to the CTA's shared memory) instead of 4-byte column pairs
+    # straight from the accumulator registers
     vec_store: bool = False
 
     def __post_init__(self):

@@ -18,7 +18,7 @@ import torch
 from packattn.mask import Mask
 from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
-from packattn.ops.runtime.sm90 import (SM_SHARED, _as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
+from packattn.ops.runtime.sm90 import (CTA_SHARED, _as_tma_tensor, _descriptor, _smem_layout, _tma_compatible,
                                        _unchecked_descriptor, _unchecked_descriptor_class, ws_grid, ws_split)
 from packattn.ops.varlen.configs import GluonBwdConfig, GluonConfig, check_dq_config, heads_per_section
 from packattn.ops.varlen.launch_sm90_bwd_parts import (check_no_key_split, dkdv_parts_shared_bytes,
@@ -29,12 +29,17 @@ from packattn.ops.varlen.launch_sm90_ksplit import gluon_dkdv_ksplit
 
 # ---------------------------------------------------------------- shared memory and register split
 def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_dim_v: int | None = None) -> int:
-    """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``) and the
-    mbarriers."""
+    """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``), the
+    mbarriers and, with ``vec_store``, an upper bound of the output's layout-conversion scratch: each consumer's 64
+    rows of the first value part (Triton 3.6 converts in pieces and takes at most that: 16 KB for both consumers at
+    64-column parts, 16 KB at 128 where this counts 32)."""
     dv = head_dim if head_dim_v is None else head_dim_v
     ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)  # ready + empty a slot (`_ring_barriers`)
-    # ``vec_store``: each consumer's layout conversion of its 64 output rows (the first value part's columns)
-    store = cfg.block_m * (1 << (dv.bit_length() - 1)) if cfg.vec_store else 0
+    store = 0
+    if cfg.vec_store:
+        from packattn.ops.varlen.fwd_sm90_parts import part_hi
+
+        store = cfg.block_m * part_hi(dv)
     return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv) + store) * element_size
             + 8 * (2 + ring_bars))
 
@@ -43,7 +48,8 @@ def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_di
 def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None) -> dict:
     """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory; ``head_dim_v``: the
     value head dim, None: ``head_dim``); in column parts or with a value head dim of its own (`in_parts`) the
-    producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`)."""
+    producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`).
+    ValueError for Q in registers at d = 256 and for a config whose `shared_bytes` exceed a CTA's."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if cfg.q_in_regs:
         from packattn.ops.varlen.fwd_sm90_ring import q_regs_ok
@@ -52,9 +58,9 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
             raise ValueError(f"{cfg}: q_in_regs needs head dims below 256 (q/k {head_dim}, v {dv}): Q's registers "
                              "beside the 256-column output accumulator spill")
     shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
-    if shared > SM_SHARED - 1024:
+    if shared > CTA_SHARED:
         raise ValueError(f"{cfg}: {shared} bytes of shared memory at head dims {head_dim} / {dv}, over the "
-                         f"{SM_SHARED - 1024} a CTA may use")
+                         f"{CTA_SHARED} a CTA may use")
     return parts_split(cfg.num_warps, shared) if in_parts(head_dim, dv) else ws_split(cfg.num_warps, shared)
 
 

@@ -13,7 +13,7 @@ import functools
 
 from packattn.ops.runtime import fast_launch
 from packattn.ops.runtime.launch import LOG2E, NO_MASK, mask_constexprs, mask_scalars
-from packattn.ops.runtime.sm90 import SM_SHARED
+from packattn.ops.runtime.sm90 import CTA_SHARED
 from packattn.ops.varlen.configs import GluonBwdConfig, check_dkdv_config
 from packattn.ops.varlen.launch_sm90_bwd_parts import parts_split
 
@@ -23,7 +23,6 @@ KSPLIT_HEAD_DIMS = (192, 256)
 TILE_KEYS = 64  # keys per program
 STEP_QUERIES = 64  # queries per ring step (the S / dP wgmma M)
 EXCHANGE_BUFFERS = 2  # P^T / dS^T double buffers
-CTA_SHARED_LIMIT = SM_SHARED - 1024  # what one CTA may use on sm_90 (the SM keeps 1 KB per CTA)
 
 
 def check_ksplit_config(cfg: GluonBwdConfig, head_dim: int | None = None, head_dim_v: int | None = None) -> None:
@@ -54,9 +53,9 @@ def ksplit_resources(cfg: GluonBwdConfig, head_dim: int, head_dim_v: int | None 
     `check_ksplit_config`."""
     check_ksplit_config(cfg, head_dim, head_dim_v)
     shared = ksplit_shared_bytes(cfg, head_dim)
-    if shared > CTA_SHARED_LIMIT:
+    if shared > CTA_SHARED:
         raise ValueError(f"{cfg}: the key-split dK/dV kernel at head dim {head_dim} needs {shared} B of shared memory, "
-                         f"over the {CTA_SHARED_LIMIT} B one CTA may use (fewer stages)")
+                         f"over the {CTA_SHARED} B one CTA may use (fewer stages)")
     return parts_split(cfg.num_warps, shared)
 
 
