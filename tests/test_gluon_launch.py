@@ -113,8 +113,9 @@ def test_ws_backward_grid_is_one_program_per_item(kind, text, tiles, d, monkeypa
 
 def test_forward_launch_is_persistent_and_stores_directly(monkeypatch):
     """Every selected forward config runs the warp-specialised kernel on a persistent grid (ctas_per_sm x SMs
-    programs at most; the kernel has no other variant to select), trimmed as the config says."""
-    for cfg in (configs.CONFIGS[128], configs.SHORT_TRIM_CONFIGS[128], configs.SHORT_CONFIGS[128]):
+    programs at most; the kernel has no other variant to select), trimmed and storing as the config says."""
+    vec = configs.GluonConfig(128, 64, 2, 8, vec_store=True)
+    for cfg in (configs.CONFIGS[128], configs.SHORT_TRIM_CONFIGS[128], configs.SHORT_CONFIGS[128], vec):
         kernel = _recording(monkeypatch, "fwd")
         q = torch.zeros(4096, 8, 128, dtype=torch.bfloat16)
         out, lse = torch.empty_like(q), torch.empty(8, 4096)
@@ -125,6 +126,7 @@ def test_forward_launch_is_persistent_and_stores_directly(monkeypatch):
         res = launch_sm90.fwd_resources(cfg, 128)
         assert grid == (min(40 * 8, res["ctas_per_sm"] * 132),) and args[-2] == 40 * 8
         assert kwargs["TRIM"] is cfg.trim and not {"DIRECT_STORE", "PINGPONG", "PERSISTENT"} & set(kwargs)
+        assert kwargs["VEC_STORE"] is cfg.vec_store
         assert kwargs["BLOCK_M"] == cfg.block_m and kwargs["maxnreg"] == res["maxnreg"]
 
 
