@@ -409,7 +409,7 @@ def main() -> int:
     parser.add_argument("--masks", nargs="+", default=MASKS, help="subset of " + " ".join(repr(m) for m in MASKS))
     parser.add_argument("--config", action="append", default=None,
                         help="a configuration instead of the default one (repeatable): "
-                             "block_m,block_n,stages,num_warps[,trim][,lazy=T][,split][,qregs][,vec]")
+                             + CONFIG_FORM)
     parser.add_argument("--selected", action="store_true",
                         help="every configuration the launcher can select (default, long, short, short-trim)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),

@@ -22,10 +22,9 @@ proposed with this script), and if so that ``packattn.attention`` gives the dire
 ``--opt-in``: instead, the variants of `OPT_IN` (lazy rescaling, `GluonConfig.rescale_threshold`; separate K / V
 barriers, `GluonConfig.split_kv`; Q in registers, `q_in_regs`; 16-byte output stores, `vec_store`; other tiles) on
 each dim's table config, at the forward head dims each names (64, 96, 128, 192, 256, MLA) and masks (causal both
-alignments, none, window, chunk),
-on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key t of a sequence x (1 + 3 t /
-len): the running max moves by more than the threshold, so the rescale branch runs both ways), fp16 causal too;
-each line gives the table config's errors beside. ``--only`` names variants of `OPT_IN`.
+alignments, none, window, chunk), on plain inputs and on "ramp" inputs whose scores grow along the keys (q x 2, key
+t of a sequence x (1 + 3 t / len): the running max moves by more than the threshold, so the rescale branch runs
+both ways), fp16 causal too; each line gives the table config's errors beside. ``--only`` names variants of `OPT_IN`.
 
     export PYTHONPATH=$PWD; python scripts/gluon_fwd_dims_gpu.py --opt-in [--dims 64 256]
 """

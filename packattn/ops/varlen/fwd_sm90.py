@@ -42,8 +42,9 @@ warps through shared memory and barriers over the group's 128 threads).
 
 Budget (contract with `packattn.ops.varlen.launch_sm90.fwd_resources`): shared memory ``BLOCK_M HEAD_DIM +
 STAGES BLOCK_N (HEAD_DIM + HEAD_DIM_V)`` elements plus the mbarriers (d = 128, 128 x 128, 3 stages: 224 KB of
-227), with ``VEC_STORE`` the output's conversion scratch (`launch_sm90.shared_bytes`); registers by setmaxnreg, ``CONSUMER_REGS`` per consumer warp (240 at one CTA per SM), ``PRODUCER_REGS``
-(24; 40 outside ``PLAIN``) for the producer.
+227), with ``VEC_STORE`` the output's conversion scratch (`launch_sm90.shared_bytes`); registers by setmaxnreg,
+``CONSUMER_REGS`` per consumer warp (240 at one CTA per SM), ``PRODUCER_REGS`` (24; 40 outside ``PLAIN``) for the
+producer.
 """
 
 from triton.experimental import gluon
