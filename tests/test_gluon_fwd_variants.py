@@ -128,11 +128,11 @@ def test_vec_store_compiles_to_16_byte_stores():
     assert "128,128,4,8,vec v4 stores 8" in stdout and "128,128,4,8 v4 stores 0" in stdout
 
 
-def test_q_in_registers_is_refused_at_256():
-    """Q's registers beside d = 256's output accumulator spill: the launcher's resources refuse the config before a
-    kernel compiles (and the kernel asserts it)."""
-    for dims in ((256, 256), (192, 256), (256, 128)):
-        with pytest.raises(ValueError, match="q_in_regs needs head dims below 256"):
+def test_q_in_registers_is_refused_at_256_and_with_a_value_dim_of_its_own():
+    """Q's registers beside d = 256's output accumulator spill, and MLA with Q in registers gave wrong rows on the
+    GPU: the launcher's resources refuse both before a kernel compiles (and the kernel asserts it)."""
+    for dims in ((256, 256), (192, 256), (256, 128), (192, 128), (128, 64)):
+        with pytest.raises(ValueError, match="q_in_regs needs head dims below 256, q/k and v alike"):
             launch_sm90.fwd_resources(GluonConfig(128, 64, 2, 8, q_in_regs=True), *dims)
     assert launch_sm90.fwd_resources(GluonConfig(128, 64, 3, 8, q_in_regs=True), 192)["consumer_regs"] >= 232
 

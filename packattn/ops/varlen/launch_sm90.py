@@ -49,14 +49,14 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
     """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory; ``head_dim_v``: the
     value head dim, None: ``head_dim``); in column parts or with a value head dim of its own (`in_parts`) the
     producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`).
-    ValueError for Q in registers at d = 256 and for a config whose `shared_bytes` exceed a CTA's."""
+    ValueError for Q in registers where `fwd_sm90_ring.q_regs_ok` refuses it and for a config whose `shared_bytes` exceed a CTA's."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if cfg.q_in_regs:
         from packattn.ops.varlen.fwd_sm90_ring import q_regs_ok
 
         if not q_regs_ok(head_dim, dv):
-            raise ValueError(f"{cfg}: q_in_regs needs head dims below 256 (q/k {head_dim}, v {dv}): Q's registers "
-                             "beside the 256-column output accumulator spill")
+            raise ValueError(f"{cfg}: q_in_regs needs head dims below 256, q/k and v alike (q/k {head_dim}, v {dv}): "
+                             "`fwd_sm90_ring.q_regs_ok`")
     shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
     if shared > CTA_SHARED:
         raise ValueError(f"{cfg}: {shared} bytes of shared memory at head dims {head_dim} / {dv}, over the "
