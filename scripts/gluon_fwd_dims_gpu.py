@@ -78,7 +78,8 @@ OPT_IN = {
     "qregs-trim": ({"block_n": 64, "stages": 4, "trim": True, "q_in_regs": True}, ((128, 128), ),
                    ("causal", "window")),
     "qregs-split": ({"q_in_regs": True, "split_kv": True}, ((128, 128), (192, 192)), ("causal", "chunk")),
-    "vec": ({"vec_store": True}, ((64, 64), (96, 96)), ("causal", "causal-tl", "none", "window", "chunk")),
+    "vec": ({"vec_store": True}, ((64, 64), (96, 96), (192, 192), (256, 256), (192, 128)),
+            ("causal", "causal-tl", "none", "window", "chunk")),
     "vec-s3": ({"vec_store": True, "stages": 3}, ((128, 64),), ("causal", "window", "chunk")),
 }
 ALL_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64)]

@@ -5,6 +5,8 @@ constexprs, shared memory and refusals, and (in a subprocess, for sm_90a) kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,13 +101,14 @@ def test_lazy_rescaling_compiles_for_sm90a_without_spills():
 
 
 def test_vec_store_counts_its_scratch_and_is_refused_where_it_does_not_fit():
-    """The 16-byte output stores convert each consumer's 64 output rows through shared memory: `shared_bytes` counts
-    that scratch (the first value part's columns), the launch passes ``VEC_STORE``, and a config whose shared memory
-    it pushes over a CTA's (d = 128 with 3 stages of 128-key blocks) is refused before a kernel compiles."""
+    """The 16-byte output stores convert the output inside each warp through a small shared-memory scratch:
+    `shared_bytes` counts it (the same at every head dim), the launch passes ``VEC_STORE``, and a config whose shared
+    memory it pushes over a CTA's (d = 128 with 3 stages of 128-key blocks) is refused before a kernel compiles."""
     plain, vec = GluonConfig(128, 128, 4, 8), GluonConfig(128, 128, 4, 8, vec_store=True)
-    assert launch_sm90.shared_bytes(vec, 64) == launch_sm90.shared_bytes(plain, 64) + 128 * 64 * 2
-    assert launch_sm90.shared_bytes(GluonConfig(128, 128, 3, 8, vec_store=True), 96) == (
-        launch_sm90.shared_bytes(GluonConfig(128, 128, 3, 8), 96) + 128 * 64 * 2)  # 96 = 64 + 32: the 64 part
+    assert launch_sm90.shared_bytes(vec, 64) == launch_sm90.shared_bytes(plain, 64) + launch_sm90.VEC_STORE_SCRATCH
+    for dims, cfg in ((96, GluonConfig(128, 128, 3, 8)), (256, GluonConfig(128, 64, 2, 8, split_kv=True))):
+        with_vec = dataclasses.replace(cfg, vec_store=True)
+        assert launch_sm90.shared_bytes(with_vec, dims) == launch_sm90.shared_bytes(cfg, dims) + launch_sm90.VEC_STORE_SCRATCH
     assert launch_sm90.fwd_variant_constexprs(vec)["VEC_STORE"] is True
     assert launch_sm90.fwd_variant_constexprs(plain)["VEC_STORE"] is False
     assert launch_sm90.fwd_resources(vec, 64)["ctas_per_sm"] == 1

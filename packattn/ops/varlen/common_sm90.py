@@ -2,7 +2,7 @@
 
 * Layouts: `mma_layout` (wgmma accumulator, ``NVMMADistributedLayout`` v3, warps split the rows, a warp group
   per 64 rows, so row max / row sum reduce inside a quad: no shared memory), `row_store_layout` (16-byte
-  vector stores of whole rows).
+  vector stores of whole rows), `quad_vec_layout` (the accumulator's rows with 16 bytes a thread).
 * Tile table and masks: `_tile_row` (a row ``[seq, start, lo, mid_lo, mid_hi, hi]`` and its sequence's lengths
   and first rows), `_aligned_shift`, `_key_range`, `_visible`: the Gluon twins of
   `packattn.ops.varlen.common_triton` (same formulas, see `packattn.mask`).
@@ -48,6 +48,18 @@ def row_store_layout(num_warps, head_dim):
     warp covering whole rows, so every row segment is written by one vectorised store."""
     cols = head_dim // 8
     return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def quad_vec_layout(head_dim):
+    """A consumer's 64 x ``head_dim`` output as the wgmma accumulator holds it (warp w: rows ``16 w ...``; lanes
+    ``4 i ...``: rows ``i`` and ``i + 8``), but each thread with 8 contiguous 16-bit columns (16 bytes) instead of
+    column pairs: the conversion stays inside each warp (Triton 3.6 goes through a 512-byte scratch a warp, with warp
+    syncs only), and each store instruction writes 64 contiguous bytes of 8 rows. ``head_dim``: a power of 2 >= 32."""
+    head_dim = int(head_dim)
+    regs = [[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, c] for c in (32, 64, 128) if c < head_dim]
+    return gl.DistributedLinearLayout(regs, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                      [64, head_dim])
 
 
 # ---------------------------------------------------------------- mask (twin of common_triton)

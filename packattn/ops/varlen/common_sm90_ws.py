@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from packattn.ops.runtime import launch
-from packattn.ops.varlen.common_sm90 import _tile_row, row_store_layout
+from packattn.ops.varlen.common_sm90 import _tile_row, quad_vec_layout
 
 LN2 = gl.constexpr(launch.LN2)
 
@@ -147,8 +147,8 @@ def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_r
     """Store rows ``q_start + i < len_q``: ``out = acc / l`` in ``Out``'s dtype and ``lse = (m + log2 l) ln 2``
     (``out = 0``, ``lse = -inf`` where ``l = 0``: the row saw no key), straight from the accumulator layout
     (each thread writes pairs of adjacent columns), so no shared memory: Q's buffer is not needed. ``VEC_STORE``
-    (`configs.GluonConfig.vec_store`): the output converted to whole-row 16-byte vectors first (shared-memory
-    scratch)."""
+    (`configs.GluonConfig.vec_store`): the output converted to 16-byte row pieces first
+    (`common_sm90.quad_vec_layout`)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     empty = l_o == 0.0
     l_safe = gl.where(empty, 1.0, l_o)
@@ -157,7 +157,7 @@ def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_r
     lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
     rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     gl.store(Lse + head.to(gl.int64) * stride_lse_head + row0_q + rows, lse, mask=rows < len_q)
-    out_layout: gl.constexpr = row_store_layout(4, HEAD_DIM) if VEC_STORE else o_layout
+    out_layout: gl.constexpr = quad_vec_layout(HEAD_DIM) if VEC_STORE else o_layout
     if VEC_STORE:
         out = gl.convert_layout(out.to(Out.dtype.element_ty), out_layout)
         rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))

@@ -147,9 +147,9 @@ class GluonConfig:
     # Q as the S product's A operand in registers (loaded once a tile, its shared memory released at once) instead
     # of read from shared memory by every wgmma
     q_in_regs: bool = False
-    # the output (its first value part: all of a power-of-two value dim) stored as 16-byte row vectors through a
-    # shared-memory layout conversion (its scratch added to the CTA's shared memory) instead of 4-byte column pairs
-    # straight from the accumulator registers
+    # the output (its first value part: all of a power-of-two value dim) stored as 16-byte row pieces after a
+    # conversion inside each warp (`common_sm90.quad_vec_layout`; its scratch, `launch_sm90.VEC_STORE_SCRATCH`,
+    # added to the CTA's shared memory) instead of 4-byte column pairs straight from the accumulator registers
     vec_store: bool = False
 
     def __post_init__(self):
@@ -171,13 +171,14 @@ class GluonConfig:
 # best, are bound by their Q reads; NOTES.md, v37), and lazy rescaling: its O rescale (128 multiplies per thread a
 # block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
 # barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
-# (v34); at 192 with Q in registers (not at MLA: `fwd_sm90_ring.q_regs_ok`): their 64-key S products would read Q from shared memory as often as
-# K (at 96 / 128 it is slower, v37). 64 and 96: the output leaves through `vec_store`'s 16-byte row stores (v39).
+# (v34); at 192 with Q in registers (not at MLA: `fwd_sm90_ring.q_regs_ok`): their 64-key S products would read Q
+# from shared memory as often as K (at 96 / 128 it is slower, v37). 64, 96 and MLA: the output leaves in
+# `vec_store`'s 16-byte pieces (v39; no gain at 192 / 256, no room at d = 128 with 3 stages).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
            256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True),
-           (192, 128): GluonConfig(128, 64, 4, 8), (128, 64): GluonConfig(128, 128, 4, 8)}
+           (192, 128): GluonConfig(128, 64, 4, 8, vec_store=True), (128, 64): GluonConfig(128, 128, 4, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
 LONG_CONFIGS = dict(CONFIGS)
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer

@@ -28,20 +28,19 @@ from packattn.ops.varlen.launch_sm90_ksplit import gluon_dkdv_ksplit
 
 
 # ---------------------------------------------------------------- shared memory and register split
+# `GluonConfig.vec_store`'s conversion scratch (bytes): 512 a warp (Triton 3.6: 4144 B at every head dim,
+# scripts/check_gluon_compile.py) and room for its alignment
+VEC_STORE_SCRATCH = 8 * 512 + 64
+
+
 def shared_bytes(cfg: GluonConfig, head_dim: int, element_size: int = 2, head_dim_v: int | None = None) -> int:
     """Shared memory of one forward CTA: Q, the K/V ring (V of ``head_dim_v`` columns, None: ``head_dim``), the
-    mbarriers and, with ``vec_store``, an upper bound of the output's layout-conversion scratch: each consumer's 64
-    rows of the first value part (Triton 3.6 converts in pieces and takes at most that: 16 KB for both consumers at
-    64-column parts, 16 KB at 128 where this counts 32)."""
+    mbarriers and, with ``vec_store``, the output's layout-conversion scratch (`VEC_STORE_SCRATCH`)."""
     dv = head_dim if head_dim_v is None else head_dim_v
     ring_bars = 2 * cfg.stages * (2 if cfg.split_kv else 1)  # ready + empty a slot (`_ring_barriers`)
-    store = 0
-    if cfg.vec_store:
-        from packattn.ops.varlen.fwd_sm90_parts import part_hi
-
-        store = cfg.block_m * part_hi(dv)
-    return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv) + store) * element_size
-            + 8 * (2 + ring_bars))
+    store = VEC_STORE_SCRATCH if cfg.vec_store else 0
+    return ((cfg.block_m * head_dim + cfg.stages * cfg.block_n * (head_dim + dv)) * element_size
+            + 8 * (2 + ring_bars) + store)
 
 
 @functools.lru_cache(maxsize=None)
