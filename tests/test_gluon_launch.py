@@ -45,8 +45,8 @@ def test_short_batches_take_their_own_head_section():
 
 
 def test_forward_configs_keep_one_consumer_warp_group_per_64_rows():
-    assert configs.SHORT_TRIM_CONFIGS[128] == GluonConfig(128, 64, 4, 8, trim=True)
-    for table in (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS):
+    assert configs.SHORT_DEFAULT_CONFIGS[128] == GluonConfig(128, 64, 4, 8, trim=True)
+    for table in (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS):
         for cfg in table.values():
             assert cfg.block_m == 16 * cfg.num_warps
     with pytest.raises(ValueError, match="16 \\* num_warps"):
@@ -115,7 +115,7 @@ def test_forward_launch_is_persistent_and_stores_directly(monkeypatch):
     """Every selected forward config runs the warp-specialised kernel on a persistent grid (ctas_per_sm x SMs
     programs at most; the kernel has no other variant to select), trimmed and storing as the config says."""
     vec = configs.GluonConfig(128, 64, 2, 8, vec_store=True)
-    for cfg in (configs.CONFIGS[128], configs.SHORT_TRIM_CONFIGS[128], configs.SHORT_CONFIGS[128], vec):
+    for cfg in (configs.CONFIGS[128], configs.SHORT_DEFAULT_CONFIGS[128], configs.SHORT_CONFIGS[128], vec):
         kernel = _recording(monkeypatch, "fwd")
         q = torch.zeros(4096, 8, 128, dtype=torch.bfloat16)
         out, lse = torch.empty_like(q), torch.empty(8, 4096)

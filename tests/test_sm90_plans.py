@@ -144,7 +144,7 @@ def test_every_varlen_gluon_table_covers_the_declared_head_dims():
     for table in (configs.CONFIGS, configs.LONG_CONFIGS):
         assert set(table) == fwd_dims
     assert set(configs.DQ_CONFIGS) == dims
-    for table in (configs.SHORT_CONFIGS, configs.SHORT_TRIM_CONFIGS):
+    for table in (configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS):
         assert set(table) <= fwd_dims
     for table in (configs.DKDV_CONFIGS, configs.DKDV_GQA_CONFIGS, configs.DQ_SHORT_CONFIGS):
         assert set(table) <= dims

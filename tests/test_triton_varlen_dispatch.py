@@ -149,15 +149,18 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     # the 64 x 64 short forward only on the GPUs it was measured faster on (SHORT_CONFIG_GPUS)
     monkeypatch.setattr(configs, "_short_config_gpu", lambda index: True)
     assert configs.config_for(128, short_seqs=True) == configs.SHORT_CONFIGS[128]
-    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]
+    # a head dim SHORT_CONFIGS lacks takes its SHORT_DEFAULT_CONFIGS entry on every GPU, else CONFIGS
+    assert configs.config_for(64, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[64] != configs.CONFIGS[64]
+    assert configs.config_for((192, 128), short_seqs=True) == configs.CONFIGS[(192, 128)]
     # elsewhere (the H100) 128-row tiles over 64-key blocks, trimmed; long batches keep CONFIGS
     monkeypatch.setattr(configs, "_short_config_gpu", lambda index: False)
-    trimmed = configs.SHORT_TRIM_CONFIGS[128]
+    trimmed = configs.SHORT_DEFAULT_CONFIGS[128]
     assert trimmed.trim and (trimmed.block_m, trimmed.block_n) == (128, 64)
     assert configs.config_for(128, short_seqs=True) == trimmed
     assert configs.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == trimmed
     assert configs.config_for(128) == configs.CONFIGS[128]
-    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]
+    assert configs.config_for(64, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[64]
+    assert configs.config_for(64) == configs.CONFIGS[64]
 
 
 def test_short_config_gpus_by_name(monkeypatch):

@@ -6,7 +6,8 @@
 * the portable Triton kernels: `launch_config` over `HOPPER_CONFIGS` / `HOPPER_LONG_FWD_CONFIGS` (sm_90),
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
 * the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
-  `SHORT_TRIM_CONFIGS` elsewhere; it runs from `GLUON_MIN_SEQLEN` rows;
+  `SHORT_DEFAULT_CONFIGS` elsewhere and at the head dims `SHORT_CONFIGS` lacks; it runs from `GLUON_MIN_SEQLEN`
+  rows;
 * the sm_90 Gluon backward (warp-specialised kernels): `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from
   `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself where
   its config's ``fused_delta`` says so (`packattn.ops.varlen.op.fuses_delta`);
@@ -185,8 +186,13 @@ LONG_CONFIGS = dict(CONFIGS)
 # warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
 SHORT_CONFIG_GPUS = ("H200",)
-# Short batches on the other GPUs: 128-row tiles over 64-key blocks, trimmed (NOTES.md, v28).
-SHORT_TRIM_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True)}
+# Short batches everywhere else. d = 128: 128-row tiles over 64-key blocks, trimmed (NOTES.md, v28). The other
+# dims (measured on an H100, v39): d = 64 in 64 x 64 tiles, one consumer, two CTAs per SM (up to 2x at 160-token
+# documents); 96 / 192 / 256 trimmed over 64-key blocks (96: -20% at 160-token documents; 192 GQA -25%).
+SHORT_DEFAULT_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True), 64: GluonConfig(64, 64, 3, 4, vec_store=True),
+                         96: GluonConfig(128, 64, 4, 8, trim=True, vec_store=True),
+                         192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True, vec_store=True),
+                         256: GluonConfig(128, 64, 2, 8, trim=True, rescale_threshold=8.0, split_kv=True)}
 FORCE_FWD: GluonConfig | None = None  # `override(fwd=...)`: the config every Gluon forward takes
 
 
@@ -196,10 +202,11 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
     on CUDA ``device`` (None: the current one); its query tile table is built with ``block_m`` / ``block_n``."""
     if FORCE_FWD is not None:
         return FORCE_FWD
-    if short_seqs and head_dim in SHORT_CONFIGS:
-        if _short_config_gpu(cuda_index(device) if torch.cuda.is_available() else -1):
-            return SHORT_CONFIGS[head_dim]
-        return SHORT_TRIM_CONFIGS[head_dim]
+    if short_seqs and head_dim in SHORT_CONFIGS and _short_config_gpu(
+            cuda_index(device) if torch.cuda.is_available() else -1):
+        return SHORT_CONFIGS[head_dim]
+    if short_seqs and head_dim in SHORT_DEFAULT_CONFIGS:
+        return SHORT_DEFAULT_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
 
 
@@ -358,7 +365,7 @@ def _check_head_dims() -> None:
     if not dims <= fwd_dims:
         raise ValueError(f"GLUON_HEAD_DIMS {sorted(dims)} must be forward head dims too (GLUON_FWD_HEAD_DIMS)")
     full = {"CONFIGS": (CONFIGS, fwd_dims), "LONG_CONFIGS": (LONG_CONFIGS, fwd_dims), "DQ_CONFIGS": (DQ_CONFIGS, dims)}
-    partial = {"SHORT_CONFIGS": (SHORT_CONFIGS, fwd_dims), "SHORT_TRIM_CONFIGS": (SHORT_TRIM_CONFIGS, fwd_dims),
+    partial = {"SHORT_CONFIGS": (SHORT_CONFIGS, fwd_dims), "SHORT_DEFAULT_CONFIGS": (SHORT_DEFAULT_CONFIGS, fwd_dims),
                "DKDV_CONFIGS": (DKDV_CONFIGS, dims), "DKDV_GQA_CONFIGS": (DKDV_GQA_CONFIGS, dims),
                "DQ_SHORT_CONFIGS": (DQ_SHORT_CONFIGS, dims)}
     for name, (table, want) in full.items():
@@ -368,8 +375,8 @@ def _check_head_dims() -> None:
     for name, (table, want) in partial.items():
         if not set(table) <= want:
             raise ValueError(f"{name} has head dims {sorted(table, key=str)} outside {sorted(want, key=str)}")
-    if not set(SHORT_CONFIGS) <= set(SHORT_TRIM_CONFIGS):
-        raise ValueError("every head dim of SHORT_CONFIGS needs a SHORT_TRIM_CONFIGS entry (`config_for`)")
+    if not set(SHORT_CONFIGS) <= set(SHORT_DEFAULT_CONFIGS):
+        raise ValueError("every head dim of SHORT_CONFIGS needs a SHORT_DEFAULT_CONFIGS entry (`config_for`)")
 
 
 _check_tables()
