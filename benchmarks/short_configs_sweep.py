@@ -1,9 +1,9 @@
 """Short batches (every sequence <= `packattn.lengths.SHORT_SEQLEN`): the Gluon forward's configs at one head dim
-against candidate short-batch configs and torch ``varlen_attn``: causal documents of 128 / 160 / 256 / 384
-tokens (~32K tokens, 16K from d = 192), heads 32/32 and 32/8, bf16, forward ms (do_bench median, 3 interleaved
-rounds, one process); each candidate's output is compared with the first's.
+against candidate short-batch configs and torch ``varlen_attn``: documents of 128 / 160 / 256 / 384 tokens
+(~32K tokens, 16K from d = 192) under one mask (`MASKS`, default causal), heads 32/32 and 32/8, bf16, forward ms
+(do_bench median, 3 interleaved rounds, one process); each candidate's output is compared with the first's.
 
-    PYTHONPATH=$PWD python benchmarks/short_configs_sweep.py 96
+    PYTHONPATH=$PWD python benchmarks/short_configs_sweep.py 96 [causal | none | window]
 
 Columns: ``table`` (what `configs.config_for` picks now), ``trim64`` (128-row tiles over 64-key blocks, trimmed),
 ``m64`` (64 x 64 tiles, one consumer warp group), ``torch_varlen``. NOTES.md v39 has the H100 numbers that chose
@@ -29,17 +29,19 @@ TRIM64 = {64: GluonConfig(128, 64, 4, 8, trim=True, vec_store=True),
           128: GluonConfig(128, 64, 4, 8, trim=True),
           192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True, vec_store=True),
           256: GluonConfig(128, 64, 2, 8, trim=True, split_kv=True, rescale_threshold=8.0)}
+MASKS = {"causal": {"causal": True}, "none": {}, "window": {"causal": True, "window": (128, 0)}}
 M64 = {64: GluonConfig(64, 64, 3, 4, vec_store=True), 96: GluonConfig(64, 64, 3, 4, vec_store=True),
        128: GluonConfig(64, 64, 3, 4), 192: GluonConfig(64, 64, 3, 4, vec_store=True),
        256: GluonConfig(64, 64, 2, 4, split_kv=True)}
 
 
-def main(head_dim: int) -> None:
+def main(head_dim: int, mask: str = "causal") -> None:
     tokens = 32640 if head_dim < 192 else 16320
     work = {f"s{n}g{g}": Workload(f"s{n}g{g}", [n] * (tokens // n), heads_q=32, heads_kv=32 // g, head_dim=head_dim,
-                                  options={"causal": True}) for n in (128, 160, 256, 384) for g in (1, 4)}
+                                  options=MASKS[mask]) for n in (128, 160, 256, 384) for g in (1, 4)}
     variants = {"table": None, "trim64": TRIM64[head_dim], "m64": M64[head_dim], "torch_varlen": None}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, d = {head_dim}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, d = {head_dim}, "
+          f"mask {mask}")
     times: dict = {}
     for rnd in range(3):
         for name, w in work.items():
@@ -65,4 +67,4 @@ def main(head_dim: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 96)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 96, sys.argv[2] if len(sys.argv) > 2 else "causal")

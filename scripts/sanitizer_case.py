@@ -1,8 +1,9 @@
 """A small Triton varlen forward + backward for compute-sanitizer (memcheck / racecheck):
-padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind; a
-batch with a sequence of >= 512 queries and a short one (<= 512: the short-batch Gluon forward -- 64 x 64 on an
-H200, the trimmed 128 x 64 elsewhere -- and the short-sequence dQ), both with GQA 4/2 (the one-consumer dK/dV); the
-long one again with a gradient through lse too (the backward then runs the preprocess: the dQ pass does not compute delta);
+padding between sequences, GQA, cross lengths, empty and length-1 sequences, every mask kind; a batch with a
+sequence of >= 512 queries and a short one (<= 512: the short-batch Gluon forward of `configs.config_for` -- at
+d = 128 64 x 64 on an H200, the trimmed 128 x 64 elsewhere -- and the short-sequence dQ), both with GQA 4/2 (the
+one-consumer dK/dV); the long one again with a gradient through lse too (the backward then runs the preprocess:
+the dQ pass does not compute delta);
 then a small tree (the Gluon tree forward, dK/dV and dQ on sm_90). The head dims are 128 unless given as ``D`` or
 ``D:D_V`` (e.g. 96, 192, 192:128 for the column-part kernels; MLA skips the tree, whose kernels refuse it).
 

@@ -105,10 +105,11 @@ def test_vec_store_counts_its_scratch_and_is_refused_where_it_does_not_fit():
     `shared_bytes` counts it (the same at every head dim), the launch passes ``VEC_STORE``, and a config whose shared
     memory it pushes over a CTA's (d = 128 with 3 stages of 128-key blocks) is refused before a kernel compiles."""
     plain, vec = GluonConfig(128, 128, 4, 8), GluonConfig(128, 128, 4, 8, vec_store=True)
-    assert launch_sm90.shared_bytes(vec, 64) == launch_sm90.shared_bytes(plain, 64) + launch_sm90.VEC_STORE_SCRATCH
+    scratch = launch_sm90.VEC_STORE_SCRATCH
+    assert launch_sm90.shared_bytes(vec, 64) == launch_sm90.shared_bytes(plain, 64) + scratch
     for dims, cfg in ((96, GluonConfig(128, 128, 3, 8)), (256, GluonConfig(128, 64, 2, 8, split_kv=True))):
         with_vec = dataclasses.replace(cfg, vec_store=True)
-        assert launch_sm90.shared_bytes(with_vec, dims) == launch_sm90.shared_bytes(cfg, dims) + launch_sm90.VEC_STORE_SCRATCH
+        assert launch_sm90.shared_bytes(with_vec, dims) == launch_sm90.shared_bytes(cfg, dims) + scratch
     assert launch_sm90.fwd_variant_constexprs(vec)["VEC_STORE"] is True
     assert launch_sm90.fwd_variant_constexprs(plain)["VEC_STORE"] is False
     assert launch_sm90.fwd_resources(vec, 64)["ctas_per_sm"] == 1
@@ -176,3 +177,38 @@ def test_q_in_registers_compiles_for_sm90a_without_spills():
     (regs_cfg, _, _, n_regs, *_, in_regs), (smem_cfg, _, _, n_smem, *_, smem_in_regs) = counts
     assert regs_cfg.endswith("qregs") and int(n_regs) > 0 and int(in_regs) == int(n_regs)
     assert not smem_cfg.endswith("qregs") and int(n_smem) > 0 and int(smem_in_regs) == 0
+
+
+@pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_quad_vec_layout_keeps_each_warps_rows_and_gives_each_thread_16_bytes(head_dim):
+    """`vec_store`'s layout: every element of a consumer's 64 x d output once; warp w holds rows 16 w ... 16 w + 15
+    (the accumulator's), lane 4 i + j rows i and i + 8; each thread's first 8 elements are 8 adjacent columns."""
+    from packattn.ops.varlen.common_sm90 import quad_vec_layout
+
+    layout = quad_vec_layout(head_dim)
+
+    def place(bases, index):  # the (row, col) an index of one level adds: XOR of its set bits' bases
+        row = col = 0
+        for bit, (r, c) in enumerate(bases):
+            if index >> bit & 1:
+                row, col = row ^ r, col ^ c
+        return row, col
+
+    seen = set()
+    for warp in range(4):
+        for lane in range(32):
+            wr, _ = place(layout.warp_bases, warp)
+            lr, lc = place(layout.lane_bases, lane)
+            regs = [place(layout.reg_bases, reg) for reg in range(1 << len(layout.reg_bases))]
+            cells = [(wr ^ lr ^ r, lc ^ c) for r, c in regs]
+            assert {row // 16 for row, _ in cells} == {warp}
+            assert {row % 16 for row, _ in cells} == {lane // 4, lane // 4 + 8}
+            first = cells[:8]
+            assert len({row for row, _ in first}) == 1 and sorted(c for _, c in first) == list(range(first[0][1],
+                                                                                                  first[0][1] + 8))
+            seen.update(cells)
+    assert seen == {(r, c) for r in range(64) for c in range(head_dim)}
+    for bad in (16, 48, 96):
+        with pytest.raises(ValueError, match="not a power of 2 >= 32"):
+            quad_vec_layout(bad)

@@ -150,7 +150,8 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     monkeypatch.setattr(configs, "_short_config_gpu", lambda index: True)
     assert configs.config_for(128, short_seqs=True) == configs.SHORT_CONFIGS[128]
     # a head dim SHORT_CONFIGS lacks takes its SHORT_DEFAULT_CONFIGS entry on every GPU, else CONFIGS
-    assert configs.config_for(64, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[64] != configs.CONFIGS[64]
+    assert configs.config_for(256, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[256] != configs.CONFIGS[256]
+    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]  # in neither short table
     assert configs.config_for((192, 128), short_seqs=True) == configs.CONFIGS[(192, 128)]
     # elsewhere (the H100) 128-row tiles over 64-key blocks, trimmed; long batches keep CONFIGS
     monkeypatch.setattr(configs, "_short_config_gpu", lambda index: False)
@@ -159,8 +160,9 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert configs.config_for(128, short_seqs=True) == trimmed
     assert configs.config_for(128, short_seqs=True, device=torch.device("cuda", 3)) == trimmed
     assert configs.config_for(128) == configs.CONFIGS[128]
-    assert configs.config_for(64, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[64]
-    assert configs.config_for(64) == configs.CONFIGS[64]
+    assert configs.config_for(192, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[192]
+    assert configs.config_for(192) == configs.CONFIGS[192]
+    assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]
 
 
 def test_short_config_gpus_by_name(monkeypatch):

@@ -55,9 +55,16 @@ def quad_vec_layout(head_dim):
     """A consumer's 64 x ``head_dim`` output as the wgmma accumulator holds it (warp w: rows ``16 w ...``; lanes
     ``4 i ...``: rows ``i`` and ``i + 8``), but each thread with 8 contiguous 16-bit columns (16 bytes) instead of
     column pairs: the conversion stays inside each warp (Triton 3.6 goes through a 512-byte scratch a warp, with warp
-    syncs only), and each store instruction writes 64 contiguous bytes of 8 rows. ``head_dim``: a power of 2 >= 32."""
+    syncs only), and each store instruction writes 64 contiguous bytes of 8 rows. ``head_dim``: a power of 2 >= 32
+    (ValueError otherwise)."""
     head_dim = int(head_dim)
-    regs = [[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, c] for c in (32, 64, 128) if c < head_dim]
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"quad_vec_layout: head_dim {head_dim} is not a power of 2 >= 32")
+    regs = [[0, 1], [0, 2], [0, 4], [8, 0]]
+    col = 32
+    while col < head_dim:  # the columns past the first 32 in registers
+        regs.append([0, col])
+        col *= 2
     return gl.DistributedLinearLayout(regs, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                       [64, head_dim])
 

@@ -148,7 +148,8 @@ def _store_out(acc, m_i, l_i, Out, Lse, row0_q, q_start, len_q, head, stride_o_r
     (``out = 0``, ``lse = -inf`` where ``l = 0``: the row saw no key), straight from the accumulator layout
     (each thread writes pairs of adjacent columns), so no shared memory: Q's buffer is not needed. ``VEC_STORE``
     (`configs.GluonConfig.vec_store`): the output converted to 16-byte row pieces first
-    (`common_sm90.quad_vec_layout`)."""
+    (`common_sm90.quad_vec_layout`: one consumer warp group's 64 rows)."""
+    gl.static_assert((not VEC_STORE) | (BLOCK_M == 64), "vec_store: one consumer warp group's 64 rows")
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     empty = l_o == 0.0
     l_safe = gl.where(empty, 1.0, l_o)

@@ -173,7 +173,7 @@ class GluonConfig:
 # block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
 # barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
 # (v34); at 192 with Q in registers (not at MLA: `fwd_sm90_ring.q_regs_ok`): their 64-key S products would read Q
-# from shared memory as often as K (at 96 / 128 it is slower, v37). 64, 96 and MLA: the output leaves in
+# from shared memory as often as K (at 96 / 128 it is slower, v37). 64, 96 and MLA 192 / 128: the output leaves in
 # `vec_store`'s 16-byte pieces (v39; no gain at 192 / 256, no room at d = 128 with 3 stages).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
@@ -186,11 +186,10 @@ LONG_CONFIGS = dict(CONFIGS)
 # warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
 SHORT_CONFIG_GPUS = ("H200",)
-# Short batches everywhere else. d = 128: 128-row tiles over 64-key blocks, trimmed (NOTES.md, v28). The other
-# dims (measured on an H100, v39): d = 64 in 64 x 64 tiles, one consumer, two CTAs per SM (up to 2x at 160-token
-# documents); 96 / 192 / 256 trimmed over 64-key blocks (96: -20% at 160-token documents; 192 GQA -25%).
-SHORT_DEFAULT_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True), 64: GluonConfig(64, 64, 3, 4, vec_store=True),
-                         96: GluonConfig(128, 64, 4, 8, trim=True, vec_store=True),
+# Short batches everywhere else: 128-row tiles over 64-key blocks, trimmed. d = 128: NOTES.md, v28; 192 / 256
+# (an H100, v39): faster at every short shape of the cost table, causal or not (192 GQA -25%). At 64 / 96 the
+# causal sweeps favoured short configs too, but non-causal shapes of the table ran slower: CONFIGS until measured.
+SHORT_DEFAULT_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True),
                          192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True, vec_store=True),
                          256: GluonConfig(128, 64, 2, 8, trim=True, rescale_threshold=8.0, split_kv=True)}
 FORCE_FWD: GluonConfig | None = None  # `override(fwd=...)`: the config every Gluon forward takes
@@ -343,7 +342,7 @@ def check_dq_config(cfg: GluonBwdConfig) -> None:
 
 def _check_tables() -> None:
     """Every Gluon table covers the head dims of `GLUON_HEAD_DIMS` it must (`CONFIGS`, `LONG_CONFIGS`,
-    `DQ_CONFIGS`: all; the others: a subset, a short-batch forward config with its trimmed counterpart), and
+    `DQ_CONFIGS`: all; the others: a subset, every `SHORT_CONFIGS` dim with a `SHORT_DEFAULT_CONFIGS` entry), and
     every backward config in the tables (and forced by `override`) is one its kernel takes."""
     _check_head_dims()
     for table in (DKDV_CONFIGS, DKDV_GQA_CONFIGS):

@@ -13,8 +13,8 @@ a persistent grid of programs takes items ``pid, pid + nprog, ...``. Partitions 
   After the tile's last S it arrives ``q_empty``; the output is stored from the accumulator registers
   (`common_sm90_ws._store_out`), so the next tile's Q loads under this tile's last PV and epilogue.
   ``Q_REGS`` (`configs.GluonConfig.q_in_regs`): Q is loaded into registers at the tile's start and ``q_empty``
-  arrived on at once. ``VEC_STORE`` (`configs.GluonConfig.vec_store`): the output goes through a shared-memory
-  layout conversion (its own scratch, not Q's buffer) into 16-byte row stores.
+  arrived on at once. ``VEC_STORE`` (`configs.GluonConfig.vec_store`): the output goes through a conversion inside
+  each warp (`common_sm90.quad_vec_layout`, a small scratch of its own) into 16-byte row pieces.
 * producer (1 warp): per tile the first K/V block, then Q (after ``q_empty``), then the other blocks, each into
   ring slot ``block % STAGES`` after ``empty`` of that slot.
 

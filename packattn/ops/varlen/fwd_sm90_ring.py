@@ -131,7 +131,7 @@ def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.con
     q_lo_wg)``, or with ``Q_REGS`` both loaded into registers (the wgmma A operand layout) and Q's shared memory
     released on ``q_empty`` at once (`_release_q` then arrives no more). ``q_lo_wg``: None without a second part;
     the second operand returned is then a stand-in (the first: a jit function cannot return None)."""
-    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256")
+    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256, q/k and v alike")
     q_op = q_wg
     if Q_REGS:
         q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))

@@ -28,8 +28,9 @@ from packattn.ops.varlen.launch_sm90_ksplit import gluon_dkdv_ksplit
 
 
 # ---------------------------------------------------------------- shared memory and register split
-# `GluonConfig.vec_store`'s conversion scratch (bytes): 512 a warp (Triton 3.6: 4144 B at every head dim,
-# scripts/check_gluon_compile.py) and room for its alignment
+# `GluonConfig.vec_store`'s conversion scratch (bytes), an upper bound: 512 a consumer warp, 8 warps at most
+# (Triton 3.6: 4144 B with two consumer warp groups at every head dim, scripts/check_gluon_compile.py), and room for
+# its alignment
 VEC_STORE_SCRATCH = 8 * 512 + 64
 
 
@@ -48,7 +49,8 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
     """Occupancy and register split of the forward (`sm90.ws_split` with its shared memory; ``head_dim_v``: the
     value head dim, None: ``head_dim``); in column parts or with a value head dim of its own (`in_parts`) the
     producer gets `launch_sm90_bwd_parts.PARTS_PRODUCER_REGS` and the consumers what is left (`parts_split`).
-    ValueError for Q in registers where `fwd_sm90_ring.q_regs_ok` refuses it and for a config whose `shared_bytes` exceed a CTA's."""
+    ValueError for Q in registers where `fwd_sm90_ring.q_regs_ok` refuses it and for a config whose `shared_bytes`
+    exceed a CTA's."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if cfg.q_in_regs:
         from packattn.ops.varlen.fwd_sm90_ring import q_regs_ok
