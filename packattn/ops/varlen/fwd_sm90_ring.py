@@ -16,7 +16,7 @@ Without ``SPLIT_KV`` / ``Q_REGS`` the helpers emit the code of the kernel before
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from packattn.ops.varlen.common_sm90 import _load_kv_block
 from packattn.ops.varlen.common_sm90_ws import _opaque_i32
@@ -141,6 +141,9 @@ def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.con
         if Q_REGS:
             q_lo_op = q_lo_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     if Q_REGS:
+        # the loads above are generic-proxy reads of Q's buffer; the next tile's Q lands there by TMA (async proxy)
+        # once q_empty completes: order them first (PTX memory model, cross-proxy write-after-read)
+        fence_async_shared()
         mbarrier.arrive(q_empty, count=1)
     return q_op, q_lo_op
 
