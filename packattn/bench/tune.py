@@ -286,8 +286,10 @@ def device_meta(command: str) -> tuple[str, dict]:
 
     major, minor = torch.cuda.get_device_capability()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                                check=False, cwd=Path(packattn.__file__).parent).stdout.strip() or None
+        # the checkout's commit, "-dirty" when the tree differs from it (a copied tree with an older .git says so)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude", "*"],
+                                capture_output=True, text=True, timeout=10, check=False,
+                                cwd=Path(packattn.__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     meta = {"device": torch.cuda.get_device_name(), "capability": [major, minor], "torch": torch.__version__,
