@@ -129,7 +129,7 @@ def triton_config(kernel: str, q: torch.Tensor, v: torch.Tensor, long_seqs: bool
 class GluonConfig:
     """A configuration of the warp-specialised Gluon forward (`packattn.ops.varlen.fwd_sm90`): a 1-warp TMA
     producer and one consumer partition per warp group of 64 query rows, a persistent grid, the output stored
-    from registers (``vec_store``: through shared memory)."""
+    from registers (``vec_store``: after a conversion inside each warp, `common_sm90.quad_vec_layout`)."""
 
     block_m: int  # queries per tile: one consumer warp group per 64 rows, so block_m == 16 * num_warps
     block_n: int  # keys per block

@@ -152,7 +152,8 @@ def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.con
 def q_regs_ok(head_dim, head_dim_v):
     """Can Q sit in registers (`configs.GluonConfig.q_in_regs`)? Not at 256: Q's 64 registers a thread beside the
     256-column output accumulator's 128 spill. Not with a value head dim of its own: at MLA's 192 / 128 the kernel
-    gave wrong rows on the GPU now and then (every stage count; benchmarks/NOTES.md v39), cause not found."""
+    gave wrong rows on the GPU now and then (every stage count; benchmarks/NOTES.md v39), most likely from the
+    missing proxy fence `_q_operands` now has; refused until a GPU probe with the fence is clean."""
     return max(int(head_dim), int(head_dim_v)) < 256 and int(head_dim) == int(head_dim_v)
 
 
