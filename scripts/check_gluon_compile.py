@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, ws_split  # noqa: E402
+from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, dims_key, ws_split  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.fwd_sm90 import varlen_fwd_gluon_ws_kernel  # noqa: E402
@@ -105,8 +105,8 @@ def dims_label(dims: tuple[int, int]) -> str:
 
 
 def table_key(dims: tuple[int, int]):
-    """The key of ``dims`` in the forward config tables: ``d`` when q/k and v share it, else ``(d, d_v)``."""
-    return dims[0] if dims[0] == dims[1] else dims
+    """The key of ``dims`` in the forward config tables (`sm90.dims_key`)."""
+    return dims_key(*dims)
 
 
 def label_of(cfg: GluonConfig) -> str:

@@ -49,6 +49,7 @@ from oracle import oracle_attention, oracle_mask  # noqa: E402
 import packattn  # noqa: E402
 from packattn.bench.workloads import doc_lengths  # noqa: E402
 from packattn.mask import Mask  # noqa: E402
+from packattn.ops.runtime.sm90 import dims_key  # noqa: E402
 from packattn.ops.varlen import configs, launch_sm90, launch_triton, op  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
 from packattn.ops.varlen.tiles import tile_table  # noqa: E402
@@ -205,7 +206,7 @@ def check_reference_against_oracle() -> None:
 
 
 def table_config(dims) -> GluonConfig:
-    return configs.CONFIGS[dims[0] if dims[0] == dims[1] else dims]
+    return configs.CONFIGS[dims_key(*dims)]
 
 
 def correctness(all_dims) -> int:
