@@ -12,7 +12,7 @@ The regimes (`lengths.REGIME_BOUNDS`, their ranges `REGIME_LENGTHS`) count the f
 longest sequence, and ``packattn tune`` measures each on documents as long as it allows (`bench.tune.tune_grid`):
 ``small`` (<= `lengths.SMALL_SEQLEN` = 16 rows, the small-seq kernels' range), ``tiny`` (<= `lengths.TINY_SEQLEN`
 = 128: one tile; 128-token documents), ``mid`` (<= `lengths.MID_SEQLEN` = 256: two tiles; 256-token documents),
-``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or four tiles; 512-token documents), ``long`` (above; W1's
+``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or four tiles; 512- and 320-token documents), ``long`` (above; W1's
 document lengths). Backends rank differently in each: at d = 64 MHA with gradients the triton backend leads at
 200 tokens where FA4 leads at 512.
 

@@ -144,13 +144,14 @@ def test_every_varlen_gluon_table_covers_the_declared_head_dims():
     for table in (configs.CONFIGS, configs.LONG_CONFIGS):
         assert set(table) == fwd_dims
     assert set(configs.DQ_CONFIGS) == dims
-    for table in (configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS):
+    for table in (configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS, configs.SHORT_MASKED_CONFIGS):
         assert set(table) <= fwd_dims
     for table in (configs.DKDV_CONFIGS, configs.DKDV_GQA_CONFIGS, configs.DQ_SHORT_CONFIGS):
         assert set(table) <= dims
     for key in configs.GLUON_FWD_HEAD_DIMS:  # every lookup the plans make answers
         for long_seqs, short_seqs in ((False, False), (True, False), (False, True)):
-            assert configs.config_for(key, long_seqs, short_seqs).block_m in (64, 128)
+            for masked in (False, True):
+                assert configs.config_for(key, long_seqs, short_seqs, masked=masked).block_m in (64, 128)
     for d in configs.GLUON_HEAD_DIMS:
         assert configs.dq_config(d) is not None and configs.dq_config(d, short_seqs=True) is not None
     assert set(configs.GLUON_DTYPES) <= set(configs.DTYPES)

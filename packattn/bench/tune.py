@@ -4,9 +4,10 @@ that ``backend="auto"`` ranks them by (`packattn.costs`; the packaged one is ``p
 The grid (`tune_grid`, in priority order, so that a run cut short by its budget keeps the most useful rows):
 head dims 64, 96, 128, 192, 256 and MLA 192/128, 128/64; GQA groups 4 and 1 (8 at d = 64 and 128, causal);
 the ``long`` regime (W1's lengths ``doc_lengths(32768, 0)``, 16384 tokens from d = 192 up), the ``short`` one
-(64 x 512 tokens), the ``mid`` one (128 x 256 tokens) and the ``tiny`` one (256 x 128 tokens): each regime of
-`costs.regime` on documents as long as it allows; masks causal and none, and a window at d = 64 and 128. 126
-shapes (about four minutes on an H100, compiles included).
+(64 x 512 tokens, and 102 x 320: three or four tiles, its row the sum of both), the ``mid`` one (128 x 256
+tokens) and the ``tiny`` one (256 x 128 tokens): each regime of `costs.regime` on documents as long as it allows;
+masks causal and none, and a window at d = 64 and 128. 156 shapes (about five minutes on an H100, compiles
+included).
 Each shape is timed forward (under ``torch.no_grad()``: what an inference call dispatches as) and forward +
 backward, bf16, on each backend of ``--backends`` that accepts it (`dispatch.reasons` for that backend; one
 that refuses is recorded with its reason) through `packattn.attention` with that backend named: what auto
@@ -52,8 +53,10 @@ from packattn.ops.runtime import support
 DEFAULT_BACKENDS = ("fa4", "triton", "torch_varlen")
 DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64))
 TIMING = {"warmup": 25, "rep": 50}  # ms per do_bench: short, for the budget; `--check` measures longer
-# a shape per length regime above small (`make_shape`): long, short, mid, tiny (documents of their bound)
-REGIME_SHAPES = ("long", "s512", "s256", "s128")
+# the shapes of each length regime above small (`make_shape`): long, short, mid, tiny (documents of their bound),
+# and short's three-tile end too: at 257-512 tokens the backends' tile waste differs (at d = 64 MHA with gradients
+# FA4 ties the triton backend at 512 tokens and runs 12% slower at 300; NOTES.md v40)
+REGIME_SHAPES = ("long", "s512", "s320", "s256", "s128")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """`packattn tune --check`: does ``backend="auto"`` run the fastest backend? On a sweep of shapes other than the
 table's (`check_grid`: other document lengths inside each regime, every head dim, GQA groups 1, 2, 4, 8, masks
 causal / none / window), each forward-only and with gradients, it times auto and every backend of ``--backends``
-that accepts the call (`tune.measure`, the bench's timing helper with longer runs than the tune's) and prints
+that accepts the call (`tune.measure`, the bench's timing helper with longer runs than the tune's, in `ROUNDS`
+interleaved rounds, each time the median of them: auto and the backend it picks run the same kernels, which a
+drifting clock times apart by up to 8% one after the other) and prints
 
     shape | pass | auto's pick (what decided) | auto ms | fastest backend | fastest ms | ratio
 
@@ -12,6 +14,7 @@ is neither timed nor picked. Exit status 0 when auto is within 5% of the fastest
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ from packattn.bench.tune import (
 )
 
 TIMING = {"warmup": 50, "rep": 100}
+ROUNDS = 3
 TOLERANCE = 1.05
 
 
@@ -47,6 +51,16 @@ def check_grid() -> list:
             make_shape("s384", 128, 128, 4, "window"), make_shape("s200", 128, 64, 4, "none"),
             make_shape("long", 192, 192, 1, "causal", seed=1), make_shape("s300", 64, 64, 1, "causal"),
             make_shape("s160", 96, 96, 1, "causal")]
+    return out
+
+
+def median_times(rounds: list[dict]) -> dict:
+    """`tune.measure`'s result from several rounds of it: each time the median of its rounds (the first
+    round's refusals)."""
+    out = {"fwd": {}, "fwdbwd": {}, "refused": rounds[0]["refused"]}
+    for part in ("fwd", "fwdbwd"):
+        for name in rounds[0][part]:
+            out[part][name] = statistics.median(r[part][name] for r in rounds if name in r[part])
     return out
 
 
@@ -111,13 +125,13 @@ def run_check(table=None, names=None, json_path=None, workers: int | None = None
     names = usable(names or DEFAULT_BACKENDS, log)
     shapes = check_grid()
     compile_first(shapes, names, default_workers() if workers is None else workers,
-                  budget - 0.8 * len(shapes) * (len(names) + 1) - elapsed(), log)
+                  budget - 0.8 * ROUNDS * len(shapes) * (len(names) + 1) - elapsed(), log)
     rows = []
     for number, shape in enumerate(shapes, 1):
         if elapsed() > budget:
             log(f"budget of {budget:.0f} s spent: {len(shapes) - number + 1} shapes not checked")
             break
-        times = measure(shape, ["auto", *names], "cuda", TIMING)
+        times = median_times([measure(shape, ["auto", *names], "cuda", TIMING) for _ in range(ROUNDS)])
         rows += check_rows(shape, times, picks_of(shape))
         log(f"{number}/{len(shapes)} {shape.name} [{shape.label}]: " + "; ".join(
             f"{r['pass']} auto {r['pick']} {r.get('ratio', '-')}x" for r in rows[-2:]))

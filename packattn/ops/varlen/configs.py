@@ -172,14 +172,15 @@ class GluonConfig:
 # best, are bound by their Q reads; NOTES.md, v37), and lazy rescaling: its O rescale (128 multiplies per thread a
 # block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
 # barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
-# (v34); at 192 with Q in registers (not at MLA: `fwd_sm90_ring.q_regs_ok`): their 64-key S products would read Q
-# from shared memory as often as K (at 96 / 128 it is slower, v37). 64, 96 and MLA 192 / 128: the output leaves in
-# `vec_store`'s 16-byte pieces (v39; no gain at 192 / 256, no room at d = 128 with 3 stages).
+# (v34); at 192 and MLA with Q in registers: their 64-key S products would read Q from shared memory as often as K
+# (at 96 / 128 it is slower, v37). The output leaves in `vec_store`'s 16-byte pieces at every dim but 128 (v39,
+# v40; no room at d = 128 with 3 stages).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
-           256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True),
-           (192, 128): GluonConfig(128, 64, 4, 8, vec_store=True), (128, 64): GluonConfig(128, 128, 4, 8)}
+           256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True, vec_store=True),
+           (192, 128): GluonConfig(128, 64, 4, 8, q_in_regs=True, vec_store=True),
+           (128, 64): GluonConfig(128, 128, 4, 8)}
 # Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
 LONG_CONFIGS = dict(CONFIGS)
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
@@ -187,18 +188,24 @@ LONG_CONFIGS = dict(CONFIGS)
 SHORT_CONFIGS = {128: GluonConfig(64, 64, 3, 4)}
 SHORT_CONFIG_GPUS = ("H200",)
 # Short batches everywhere else: 128-row tiles over 64-key blocks, trimmed. d = 128: NOTES.md, v28; 192 / 256
-# (an H100, v39): faster at every short shape of the cost table, causal or not (192 GQA -25%). At 64 / 96 the
-# causal sweeps favoured short configs too, but non-causal shapes of the table ran slower: CONFIGS until measured.
+# (an H100, v39): faster at every short shape of the cost table, causal or not (192 GQA -25%).
 SHORT_DEFAULT_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True),
                          192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True, vec_store=True),
-                         256: GluonConfig(128, 64, 2, 8, trim=True, rescale_threshold=8.0, split_kv=True)}
+                         256: GluonConfig(128, 64, 2, 8, trim=True, rescale_threshold=8.0, split_kv=True,
+                                          vec_store=True)}
+# Short batches under a causal, window or chunk mask at d = 64 / 96, where the smaller tiles skip more of each
+# document's masked blocks (NOTES.md, v40: up to 2x at 160-token documents); with no mask CONFIGS' 128 x 128 tiles
+# stay faster from 256-token documents up.
+SHORT_MASKED_CONFIGS = {64: GluonConfig(64, 64, 3, 4, vec_store=True),
+                        96: GluonConfig(128, 64, 4, 8, trim=True, vec_store=True)}
 FORCE_FWD: GluonConfig | None = None  # `override(fwd=...)`: the config every Gluon forward takes
 
 
 def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
-               device: torch.device | None = None) -> GluonConfig:
-    """The Gluon forward's config for ``head_dim`` and the batch's length class (``long_seqs`` / ``short_seqs``)
-    on CUDA ``device`` (None: the current one); its query tile table is built with ``block_m`` / ``block_n``."""
+               device: torch.device | None = None, masked: bool = False) -> GluonConfig:
+    """The Gluon forward's config for ``head_dim``, the batch's length class (``long_seqs`` / ``short_seqs``) and
+    mask (``masked``: causal, a window or chunks) on CUDA ``device`` (None: the current one); its query tile table
+    is built with ``block_m`` / ``block_n``."""
     if FORCE_FWD is not None:
         return FORCE_FWD
     if short_seqs and head_dim in SHORT_CONFIGS and _short_config_gpu(
@@ -206,6 +213,8 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
         return SHORT_CONFIGS[head_dim]
     if short_seqs and head_dim in SHORT_DEFAULT_CONFIGS:
         return SHORT_DEFAULT_CONFIGS[head_dim]
+    if short_seqs and masked and head_dim in SHORT_MASKED_CONFIGS:
+        return SHORT_MASKED_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
 
 

@@ -131,7 +131,7 @@ def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.con
     q_lo_wg)``, or with ``Q_REGS`` both loaded into registers (the wgmma A operand layout) and Q's shared memory
     released on ``q_empty`` at once (`_release_q` then arrives no more). ``q_lo_wg``: None without a second part;
     the second operand returned is then a stand-in (the first: a jit function cannot return None)."""
-    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256, q/k and v alike")
+    gl.static_assert((not Q_REGS) | q_regs_ok(HEAD_DIM, HEAD_DIM_V), "q_in_regs: head dims below 256")
     q_op = q_wg
     if Q_REGS:
         q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -151,10 +151,9 @@ def _q_operands(q_wg, q_lo_wg, q_empty, s_layout: gl.constexpr, HEAD_DIM: gl.con
 @gluon.constexpr_function
 def q_regs_ok(head_dim, head_dim_v):
     """Can Q sit in registers (`configs.GluonConfig.q_in_regs`)? Not at 256: Q's 64 registers a thread beside the
-    256-column output accumulator's 128 spill. Not with a value head dim of its own: at MLA's 192 / 128 the kernel
-    gave wrong rows on the GPU now and then (every stage count; benchmarks/NOTES.md v39), most likely from the
-    missing proxy fence `_q_operands` now has; refused until a GPU probe with the fence is clean."""
-    return max(int(head_dim), int(head_dim_v)) < 256 and int(head_dim) == int(head_dim_v)
+    256-column output accumulator's 128 spill. (MLA's 192 / 128 with Q in registers gave wrong rows now and then
+    until `_q_operands` fenced its register loads before releasing Q's buffer: benchmarks/NOTES.md v39, v40.)"""
+    return max(int(head_dim), int(head_dim_v)) < 256
 
 
 @gluon.constexpr_function

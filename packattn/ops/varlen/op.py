@@ -116,7 +116,7 @@ def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[li
     gluon = (seqs.max_seqlen_q >= configs.GLUON_MIN_SEQLEN
              and sm90_runs(q, k, v, True, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES))
     if gluon:
-        fwd = configs.config_for(dims_key(head_dim, v.shape[-1]), long_seqs, short_seqs, q.device)
+        fwd = configs.config_for(dims_key(head_dim, v.shape[-1]), long_seqs, short_seqs, q.device, not mask.is_full)
     else:
         fwd = configs.triton_config("fwd", q, v, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
@@ -145,7 +145,8 @@ def _varlen_fwd(
     lse = new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     seq_args, q_tiles = tables[:4], tables[4]
     if gluon:
-        cfg = configs.config_for(dims_key(head_dim, v.shape[-1]), bool(long_seqs), bool(short_seqs), q.device)
+        cfg = configs.config_for(dims_key(head_dim, v.shape[-1]), bool(long_seqs), bool(short_seqs), q.device,
+                                 not mask.is_full)
         launch_sm90.gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, cfg, bool(short_seqs))
     else:
         launch_triton.triton_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, bool(long_seqs))
