@@ -6,8 +6,8 @@ against candidate short-batch configs and torch ``varlen_attn``: documents of 12
     PYTHONPATH=$PWD python benchmarks/short_configs_sweep.py 96 [causal | none | window]
 
 Columns: ``table`` (what `configs.config_for` picks now), ``trim64`` (128-row tiles over 64-key blocks, trimmed),
-``m64`` (64 x 64 tiles, one consumer warp group), ``torch_varlen``. NOTES.md v39 has the H100 numbers that chose
-`configs.SHORT_DEFAULT_CONFIGS`.
+``m64`` (64 x 64 tiles, one consumer warp group), ``torch_varlen``. NOTES.md v39 / v40 have the H100 numbers that
+chose `configs.SHORT_DEFAULT_CONFIGS` and `configs.SHORT_MASKED_CONFIGS`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def main(head_dim: int, mask: str = "causal") -> None:
             desc, q, k, v = w.make_inputs("cuda", requires_grad=False)
             first = None
             for label, cfg in variants.items():
-                tables = {} if cfg is None else {"SHORT_CONFIGS": {**configs.SHORT_CONFIGS, head_dim: cfg},
-                                                 "SHORT_DEFAULT_CONFIGS": {**configs.SHORT_DEFAULT_CONFIGS,
-                                                                           head_dim: cfg}}
+                tables = {} if cfg is None else {
+                    "SHORT_CONFIGS": {**configs.SHORT_CONFIGS, head_dim: cfg},
+                    "SHORT_DEFAULT_CONFIGS": {**configs.SHORT_DEFAULT_CONFIGS, head_dim: cfg},
+                    "SHORT_MASKED_CONFIGS": {d: c for d, c in configs.SHORT_MASKED_CONFIGS.items() if d != head_dim}}
                 backend = "torch_varlen" if label == "torch_varlen" else "triton"
                 with configs.override(**tables), torch.no_grad():
                     def call(q=q, k=k, v=v, desc=desc, backend=backend, options=w.options):

@@ -120,8 +120,7 @@ def selected_configs(dims) -> list[GluonConfig]:
     """The forward configurations the launcher can select at ``dims`` (every table of `configs`; keys
     `table_key`)."""
     key = table_key(dims)
-    tables = (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS,
-              configs.SHORT_MASKED_CONFIGS)
+    tables = tuple(configs.fwd_tables().values())
     return list(dict.fromkeys(t[key] for t in tables if key in t))
 
 

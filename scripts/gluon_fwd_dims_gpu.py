@@ -75,7 +75,7 @@ OPT_IN = {
     "split-k64": ({"block_n": 64, "stages": 2, "split_kv": True}, ((256, 256),), ("causal", "none", "window")),
     "split-trim": ({"block_n": 64, "stages": 4, "trim": True, "split_kv": True}, ((128, 128),),
                    ("causal", "window", "chunk")),
-    "qregs": ({"q_in_regs": True}, ((64, 64), (96, 96), (128, 128), (192, 192)),
+    "qregs": ({"q_in_regs": True}, ((64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (128, 64)),
               ("causal", "window", "chunk")),
     "qregs-trim": ({"block_n": 64, "stages": 4, "trim": True, "q_in_regs": True}, ((128, 128), ),
                    ("causal", "window")),

@@ -46,8 +46,7 @@ def test_short_batches_take_their_own_head_section():
 
 def test_forward_configs_keep_one_consumer_warp_group_per_64_rows():
     assert configs.SHORT_DEFAULT_CONFIGS[128] == GluonConfig(128, 64, 4, 8, trim=True)
-    for table in (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS,
-                  configs.SHORT_MASKED_CONFIGS):
+    for table in configs.fwd_tables().values():
         for cfg in table.values():
             assert cfg.block_m == 16 * cfg.num_warps
     with pytest.raises(ValueError, match="16 \\* num_warps"):
@@ -59,8 +58,7 @@ def test_forward_configs_keep_one_consumer_warp_group_per_64_rows():
 def test_every_table_config_passes_the_launchers_resource_checks():
     """Each forward table config at each head dim it serves gets its resources without a ValueError (Q in registers
     where `fwd_sm90_ring.q_regs_ok` allows it, shared memory within a CTA's), one CTA per SM at least."""
-    for table in (configs.CONFIGS, configs.LONG_CONFIGS, configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS,
-                  configs.SHORT_MASKED_CONFIGS):
+    for table in configs.fwd_tables().values():
         for dims, cfg in table.items():
             head_dim, head_dim_v = dims if isinstance(dims, tuple) else (dims, dims)
             assert launch_sm90.fwd_resources(cfg, head_dim, head_dim_v)["ctas_per_sm"] >= 1

@@ -144,14 +144,15 @@ def test_every_varlen_gluon_table_covers_the_declared_head_dims():
     for table in (configs.CONFIGS, configs.LONG_CONFIGS):
         assert set(table) == fwd_dims
     assert set(configs.DQ_CONFIGS) == dims
-    for table in (configs.SHORT_CONFIGS, configs.SHORT_DEFAULT_CONFIGS, configs.SHORT_MASKED_CONFIGS):
+    for table in configs.fwd_tables().values():
         assert set(table) <= fwd_dims
     for table in (configs.DKDV_CONFIGS, configs.DKDV_GQA_CONFIGS, configs.DQ_SHORT_CONFIGS):
         assert set(table) <= dims
     for key in configs.GLUON_FWD_HEAD_DIMS:  # every lookup the plans make answers
         for long_seqs, short_seqs in ((False, False), (True, False), (False, True)):
-            for masked in (False, True):
-                assert configs.config_for(key, long_seqs, short_seqs, masked=masked).block_m in (64, 128)
+            for masked in (False, True):  # an entry of one of the forward tables at this key
+                entries = [t[key] for t in configs.fwd_tables().values() if key in t]
+                assert configs.config_for(key, long_seqs, short_seqs, masked=masked) in entries
     for d in configs.GLUON_HEAD_DIMS:
         assert configs.dq_config(d) is not None and configs.dq_config(d, short_seqs=True) is not None
     assert set(configs.GLUON_DTYPES) <= set(configs.DTYPES)
@@ -180,7 +181,9 @@ def test_every_tree_gluon_table_covers_the_declared_head_dims():
 @pytest.mark.parametrize("values", [{"CONFIGS": {128: configs.CONFIGS[128]}},  # d = 64 lost: the plans would fail
                                     {"DQ_CONFIGS": {**configs.DQ_CONFIGS, 32: configs.DQ_CONFIGS[128]}},  # ignored
                                     {"GLUON_HEAD_DIMS": (32, 64, 128)},  # no configs for 32
-                                    {"DKDV_CONFIGS": {32: configs.DKDV_CONFIGS[128]}}])
+                                    {"DKDV_CONFIGS": {32: configs.DKDV_CONFIGS[128]}},
+                                    {"SHORT_MASKED_CONFIGS": {32: configs.CONFIGS[64]}},  # not a head dim
+                                    {"SHORT_MASKED_CONFIGS": {128: configs.CONFIGS[128]}}])  # shadowed: ignored
 def test_varlen_override_refuses_tables_off_the_declared_head_dims(values):
     with pytest.raises(ValueError, match="head dims"):
         with configs.override(**values):

@@ -4,10 +4,10 @@ that ``backend="auto"`` ranks them by (`packattn.costs`; the packaged one is ``p
 The grid (`tune_grid`, in priority order, so that a run cut short by its budget keeps the most useful rows):
 head dims 64, 96, 128, 192, 256 and MLA 192/128, 128/64; GQA groups 4 and 1 (8 at d = 64 and 128, causal);
 the ``long`` regime (W1's lengths ``doc_lengths(32768, 0)``, 16384 tokens from d = 192 up), the ``short`` one
-(64 x 512 tokens, and 102 x 320: three or four tiles, its row the sum of both), the ``mid`` one (128 x 256
-tokens) and the ``tiny`` one (256 x 128 tokens): each regime of `costs.regime` on documents as long as it allows;
-masks causal and none, and a window at d = 64 and 128. 156 shapes (about five minutes on an H100, compiles
-included).
+(64 x 512 tokens, and under causal / no masks 102 x 320 too: three or four tiles, the row the sum of both), the
+``mid`` one (128 x 256 tokens) and the ``tiny`` one (256 x 128 tokens): each regime of `costs.regime` on documents
+as long as it allows; masks causal and none, and a window at d = 64 and 128. 156 shapes (about four and a half
+minutes on an H100, compiles included).
 Each shape is timed forward (under ``torch.no_grad()``: what an inference call dispatches as) and forward +
 backward, bf16, on each backend of ``--backends`` that accepts it (`dispatch.reasons` for that backend; one
 that refuses is recorded with its reason) through `packattn.attention` with that backend named: what auto

@@ -112,6 +112,7 @@ def test_part_and_mla_dims_gluon_forward_and_backward(dims, opts):
 @pytest.mark.parametrize("opts", MASKS[:3], ids=MASK_IDS[:3])
 def test_short_documents_at_every_head_dim(head_dim, opts):
     """Batches of documents <= 512 tokens (`configs.SHORT_DEFAULT_CONFIGS` where it has the dim, under a mask
-    `SHORT_MASKED_CONFIGS` where that has it, else `CONFIGS`), with empty, length-1 and block-crossing documents and padding, forward and backward against the reference."""
+    `SHORT_MASKED_CONFIGS` where that has it, else `CONFIGS`), with empty, length-1 and block-crossing documents
+    and padding, forward and backward against the reference."""
     seqs = Varlen.from_lengths([512] * 12 + [1, 0, 37, 160, 129, 300], pad_to_multiple=16, device="cuda")
     check_against_reference(*inputs(seqs, 8, 2, head_dim), seqs, **opts)

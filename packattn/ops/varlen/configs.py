@@ -5,9 +5,9 @@
   every Gluon table covers them, `_check_tables`; head dims named by `sm90.dims_key`: ``d``, or ``(d, d_v)``);
 * the portable Triton kernels: `launch_config` over `HOPPER_CONFIGS` / `HOPPER_LONG_FWD_CONFIGS` (sm_90),
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
-* the sm_90 Gluon forward (`config_for`): `CONFIGS`, `LONG_CONFIGS`, `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`,
-  `SHORT_DEFAULT_CONFIGS` elsewhere and at the head dims `SHORT_CONFIGS` lacks; it runs from `GLUON_MIN_SEQLEN`
-  rows;
+* the sm_90 Gluon forward (`config_for`, all its tables by name: `fwd_tables`): `CONFIGS`, `LONG_CONFIGS`,
+  `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`, `SHORT_DEFAULT_CONFIGS` elsewhere and at the head dims `SHORT_CONFIGS`
+  lacks, `SHORT_MASKED_CONFIGS` under a mask at the rest; it runs from `GLUON_MIN_SEQLEN` rows;
 * the sm_90 Gluon backward (warp-specialised kernels): `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from
   `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself where
   its config's ``fused_delta`` says so (`packattn.ops.varlen.op.fuses_delta`);
@@ -173,8 +173,8 @@ class GluonConfig:
 # block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
 # barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
 # (v34); at 192 and MLA with Q in registers: their 64-key S products would read Q from shared memory as often as K
-# (at 96 / 128 it is slower, v37). The output leaves in `vec_store`'s 16-byte pieces at every dim but 128 (v39,
-# v40; no room at d = 128 with 3 stages).
+# (at 96 / 128 it is slower, v37). The output leaves in `vec_store`'s 16-byte pieces at 64, 96, 256 and MLA (v39,
+# v40; at 192 no gain, v39, but in short batches it is on; no room at d = 128 with 3 stages; 128 / 64 untried).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
@@ -216,6 +216,12 @@ def config_for(head_dim: int, long_seqs: bool = False, short_seqs: bool = False,
     if short_seqs and masked and head_dim in SHORT_MASKED_CONFIGS:
         return SHORT_MASKED_CONFIGS[head_dim]
     return (LONG_CONFIGS if long_seqs else CONFIGS)[head_dim]
+
+
+def fwd_tables() -> dict[str, dict]:
+    """Every table `config_for` reads, by name (the current ones: `override` replaces them)."""
+    return {"CONFIGS": CONFIGS, "LONG_CONFIGS": LONG_CONFIGS, "SHORT_CONFIGS": SHORT_CONFIGS,
+            "SHORT_DEFAULT_CONFIGS": SHORT_DEFAULT_CONFIGS, "SHORT_MASKED_CONFIGS": SHORT_MASKED_CONFIGS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,6 +380,7 @@ def _check_head_dims() -> None:
         raise ValueError(f"GLUON_HEAD_DIMS {sorted(dims)} must be forward head dims too (GLUON_FWD_HEAD_DIMS)")
     full = {"CONFIGS": (CONFIGS, fwd_dims), "LONG_CONFIGS": (LONG_CONFIGS, fwd_dims), "DQ_CONFIGS": (DQ_CONFIGS, dims)}
     partial = {"SHORT_CONFIGS": (SHORT_CONFIGS, fwd_dims), "SHORT_DEFAULT_CONFIGS": (SHORT_DEFAULT_CONFIGS, fwd_dims),
+               "SHORT_MASKED_CONFIGS": (SHORT_MASKED_CONFIGS, fwd_dims),
                "DKDV_CONFIGS": (DKDV_CONFIGS, dims), "DKDV_GQA_CONFIGS": (DKDV_GQA_CONFIGS, dims),
                "DQ_SHORT_CONFIGS": (DQ_SHORT_CONFIGS, dims)}
     for name, (table, want) in full.items():
@@ -385,6 +392,10 @@ def _check_head_dims() -> None:
             raise ValueError(f"{name} has head dims {sorted(table, key=str)} outside {sorted(want, key=str)}")
     if not set(SHORT_CONFIGS) <= set(SHORT_DEFAULT_CONFIGS):
         raise ValueError("every head dim of SHORT_CONFIGS needs a SHORT_DEFAULT_CONFIGS entry (`config_for`)")
+    shadowed = set(SHORT_MASKED_CONFIGS) & set(SHORT_DEFAULT_CONFIGS)
+    if shadowed:
+        raise ValueError(f"SHORT_MASKED_CONFIGS has head dims {sorted(shadowed, key=str)} that SHORT_DEFAULT_CONFIGS "
+                         "answers first (`config_for`): they would be ignored")
 
 
 _check_tables()

@@ -56,7 +56,7 @@ def fwd_resources(cfg: GluonConfig, head_dim: int, head_dim_v: int | None = None
         from packattn.ops.varlen.fwd_sm90_ring import q_regs_ok
 
         if not q_regs_ok(head_dim, dv):
-            raise ValueError(f"{cfg}: q_in_regs needs head dims below 256, q/k and v alike (q/k {head_dim}, v {dv}): "
+            raise ValueError(f"{cfg}: q_in_regs needs head dims below 256 (q/k {head_dim}, v {dv}): "
                              "`fwd_sm90_ring.q_regs_ok`")
     shared = shared_bytes(cfg, head_dim, head_dim_v=dv)
     if shared > CTA_SHARED:

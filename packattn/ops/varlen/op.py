@@ -6,7 +6,7 @@ same implementations through a plain autograd function (`packattn.ops.runtime.fa
 machinery costs host time). The backward is deterministic by construction (no atomics, see
 `packattn.ops.varlen.bwd_triton`).
 
-Which kernels run is decided once per call from dtypes, shapes, device and the batch's length class:
+Which kernels run is decided once per call from dtypes, shapes, device, the batch's length class and the mask:
 `forward_plan` (the forward's kernel and config, its tile tables and the backward's) and `bwd_plan` (the
 backward passes). The forward builds the backward's tile tables, so the backward checks that its plan is
 still the forward's (`check_plan`: a `configs.override` left in between would break that).
@@ -107,16 +107,23 @@ def bwd_tables(seqs: Varlen, mask: Mask, plan: BwdPlan) -> tuple[torch.Tensor, t
     return tile_table(seqs, mask, False, *plan.dq_choice[:2]), tile_table(seqs, mask, True, *plan.dkdv_choice[:2])
 
 
+def gluon_fwd_config(q, v, mask: Mask, long_seqs: bool, short_seqs: bool):
+    """The Gluon forward's config for this call: head dims, the batch's length class and the mask (one place for
+    the plan, whose tile table takes its blocks, and the launch)."""
+    return configs.config_for(dims_key(q.shape[-1], v.shape[-1]), bool(long_seqs), bool(short_seqs), q.device,
+                              not mask.is_full)
+
+
 def forward_plan(q, k, v, seqs: Varlen, mask: Mask, need_grad: bool) -> tuple[list, list]:
     """``(tables, options)`` of `_varlen_fwd` for this batch (`FWD_TABLES`, `FWD_OPTIONS`): the forward kernel
-    and config its lengths take, its tile tables, and with ``need_grad`` the backward's (`bwd_plan`)."""
-    head_dim = q.shape[-1]
+    and config its lengths and mask take (`gluon_fwd_config`), its tile tables, and with ``need_grad`` the
+    backward's (`bwd_plan`)."""
     long_seqs = seqs.max_seqlen_q >= configs.LONG_SEQLEN
     short_seqs = short_batch(seqs.max_seqlen_q, seqs.max_seqlen_kv)
     gluon = (seqs.max_seqlen_q >= configs.GLUON_MIN_SEQLEN
              and sm90_runs(q, k, v, True, configs.GLUON_FWD_HEAD_DIMS, configs.GLUON_DTYPES))
     if gluon:
-        fwd = configs.config_for(dims_key(head_dim, v.shape[-1]), long_seqs, short_seqs, q.device, not mask.is_full)
+        fwd = gluon_fwd_config(q, v, mask, long_seqs, short_seqs)
     else:
         fwd = configs.triton_config("fwd", q, v, long_seqs)
     q_tiles = tile_table(seqs, mask, False, fwd.block_m, fwd.block_n)
@@ -145,8 +152,7 @@ def _varlen_fwd(
     lse = new_output((heads_q, total_q), torch.float32, q.device, padded_q, pad_rows_q, float("-inf"), dim=1)
     seq_args, q_tiles = tables[:4], tables[4]
     if gluon:
-        cfg = configs.config_for(dims_key(head_dim, v.shape[-1]), bool(long_seqs), bool(short_seqs), q.device,
-                                 not mask.is_full)
+        cfg = gluon_fwd_config(q, v, mask, long_seqs, short_seqs)
         launch_sm90.gluon_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, cfg, bool(short_seqs))
     else:
         launch_triton.triton_fwd(q, k, v, out, lse, seq_args, q_tiles, scale, mask, bool(long_seqs))
