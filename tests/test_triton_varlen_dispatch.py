@@ -216,3 +216,27 @@ def test_gluon_backward_at_head_dim_64(monkeypatch):
     plan = op.bwd_plan(q, q[:, :1], q[:, :1])
     assert (plan.dkdv, plan.dq) == (configs.dkdv_config(64), configs.dq_config(64))
     assert op.fuses_delta(plan, None) and not op.fuses_delta(plan, torch.zeros(8, 8))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_forward_plan_takes_the_mask_into_the_gluon_config(monkeypatch, head_dim):
+    """The forward's tile table is built with the blocks of the config its launch takes (`op.gluon_fwd_config`):
+    short batches under a mask at d = 64 / 96 take `SHORT_MASKED_CONFIGS`, with no mask `CONFIGS` (the Gluon
+    gating forced on, CPU tensors; nothing is launched)."""
+    from packattn.varlen import Varlen
+
+    monkeypatch.setattr(op, "sm90_runs", lambda *args: True)
+    seqs = Varlen.from_lengths([300, 160, 384, 1])
+    q = torch.zeros(seqs.total_q, 4, head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(seqs.total_kv, 2, head_dim, dtype=torch.bfloat16)
+    for mask, masked in ((Mask.make(causal=True), True), (Mask.make(window=(64, 0)), True), (Mask.make(), False)):
+        tables, options = op.forward_plan(q, kv, kv, seqs, mask, False)
+        assert options[op.FWD_OPTIONS.index("gluon")] and options[op.FWD_OPTIONS.index("short_seqs")]
+        cfg = op.gluon_fwd_config(q, kv, mask, False, True)
+        if head_dim in configs.SHORT_DEFAULT_CONFIGS:
+            want = configs.SHORT_DEFAULT_CONFIGS[head_dim]
+        else:
+            want = configs.SHORT_MASKED_CONFIGS[head_dim] if masked else configs.CONFIGS[head_dim]
+        assert cfg == want
+        assert torch.equal(tables[4], build_tile_table(seqs, mask, False, cfg.block_m, cfg.block_n))
+    assert configs.SHORT_MASKED_CONFIGS[64].block_m != configs.CONFIGS[64].block_m  # the tables differ there
