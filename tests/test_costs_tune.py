@@ -245,9 +245,11 @@ def test_run_check_times_auto_against_every_backend(tmp_path, fake_gpu, monkeypa
         monkeypatch.setattr(tune_check, name, getattr(tune, name))
     slow = tune_check.check_grid()[3].name
     calls: dict = {}
+    firsts: dict = {}
 
     def measure(shape, names, device, timing=None):
-        assert names[0] == "auto" and timing == tune_check.TIMING
+        assert sorted(names) == ["auto", "fa4", "triton"] and timing == tune_check.TIMING
+        firsts.setdefault(shape.name, []).append(names[0])
         calls[shape.name] = calls.get(shape.name, 0) + 1
         auto = 1.1 if shape.name == slow else 1.5 if calls[shape.name] == 2 else 1.03
         return {"fwd": {"auto": auto, "triton": 1.0, "fa4": 1.5}, "fwdbwd": {"auto": 2.06, "triton": 2.0},
@@ -264,4 +266,5 @@ def test_run_check_times_auto_against_every_backend(tmp_path, fake_gpu, monkeypa
     assert len(rows) == 2 * len(tune_check.check_grid()) >= 30
     assert [r["shape"] for r in rows if r["ratio"] > tune_check.TOLERANCE] == [slow]
     assert set(calls.values()) == {tune_check.ROUNDS} and tune_check.ROUNDS >= 3
+    assert all(len(set(first)) == 3 for first in firsts.values())  # each backend timed first in one round
     assert f"auto within 5% of the fastest backend on {len(rows) - 1} of {len(rows)} rows" in capsys.readouterr().out

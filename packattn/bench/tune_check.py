@@ -2,8 +2,8 @@
 table's (`check_grid`: other document lengths inside each regime, every head dim, GQA groups 1, 2, 4, 8, masks
 causal / none / window), each forward-only and with gradients, it times auto and every backend of ``--backends``
 that accepts the call (`tune.measure`, the bench's timing helper with longer runs than the tune's, in `ROUNDS`
-interleaved rounds, each time the median of them: auto and the backend it picks run the same kernels, which a
-drifting clock times apart by up to 8% one after the other) and prints
+interleaved rounds, each in another order (`rotated`), each time the median of them: auto and the backend it
+picks run the same kernels, which a drifting clock times apart by up to 8% one after the other) and prints
 
     shape | pass | auto's pick (what decided) | auto ms | fastest backend | fastest ms | ratio
 
@@ -53,6 +53,13 @@ def check_grid() -> list:
             make_shape("long", 192, 192, 1, "causal", seed=1), make_shape("s300", 64, 64, 1, "causal"),
             make_shape("s160", 96, 96, 1, "causal")]
     return out
+
+
+def rotated(names: list[str], by: int) -> list[str]:
+    """``names`` starting at its ``by``-th (modulo its length): each round times the backends in another order, so
+    that no backend is always the first timed after a shape's inputs are made."""
+    by %= len(names)
+    return names[by:] + names[:by]
 
 
 def median_times(rounds: list[dict]) -> dict:
@@ -132,7 +139,7 @@ def run_check(table=None, names=None, json_path=None, workers: int | None = None
         if elapsed() > budget:
             log(f"budget of {budget:.0f} s spent: {len(shapes) - number + 1} shapes not checked")
             break
-        times = median_times([measure(shape, ["auto", *names], "cuda", TIMING) for _ in range(ROUNDS)])
+        times = median_times([measure(shape, rotated(["auto", *names], r), "cuda", TIMING) for r in range(ROUNDS)])
         rows += check_rows(shape, times, picks_of(shape))
         log(f"{number}/{len(shapes)} {shape.name} [{shape.label}]: " + "; ".join(
             f"{r['pass']} auto {r['pick']} {r.get('ratio', '-')}x" for r in rows[-2:]))
