@@ -9,7 +9,8 @@ key/value head), length regime (`regime`, of the longest of queries and keys, fr
 each backend measured on the row's shapes (summed over them).
 
 The regimes (`lengths.REGIME_BOUNDS`, their ranges `REGIME_LENGTHS`) count the forward's 128-row tiles of the
-longest sequence, and ``packattn tune`` measures each on documents as long as it allows (short at 320 tokens too; `bench.tune.tune_grid`):
+longest sequence, and ``packattn tune`` measures each on documents as long as it allows (short at 320 tokens too;
+`bench.tune.tune_grid`):
 ``small`` (<= `lengths.SMALL_SEQLEN` = 16 rows, the small-seq kernels' range), ``tiny`` (<= `lengths.TINY_SEQLEN`
 = 128: one tile; 128-token documents), ``mid`` (<= `lengths.MID_SEQLEN` = 256: two tiles; 256-token documents),
 ``short`` (<= `lengths.SHORT_SEQLEN` = 512: three or four tiles; 512- and 320-token documents), ``long`` (above; W1's

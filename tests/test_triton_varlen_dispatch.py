@@ -153,9 +153,10 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert configs.config_for(256, short_seqs=True) == configs.SHORT_DEFAULT_CONFIGS[256] != configs.CONFIGS[256]
     assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]  # no mask: in neither short table
     # under a mask, d = 64 / 96 take SHORT_MASKED_CONFIGS (short batches only)
-    assert configs.config_for(64, short_seqs=True, masked=True) == configs.SHORT_MASKED_CONFIGS[64] != configs.CONFIGS[64]
-    assert configs.config_for(96, short_seqs=True, masked=True) == configs.SHORT_MASKED_CONFIGS[96] != configs.CONFIGS[96]
-    assert configs.config_for(64, masked=True) == configs.config_for(64, long_seqs=True, masked=True) == configs.CONFIGS[64]
+    for d in (64, 96):
+        assert configs.config_for(d, short_seqs=True, masked=True) == configs.SHORT_MASKED_CONFIGS[d] != configs.CONFIGS[d]
+        assert configs.config_for(d, masked=True) == configs.config_for(d, long_seqs=True, masked=True) \
+            == configs.CONFIGS[d]
     assert configs.config_for(256, short_seqs=True, masked=True) == configs.SHORT_DEFAULT_CONFIGS[256]
     assert configs.config_for((192, 128), short_seqs=True) == configs.CONFIGS[(192, 128)]
     # elsewhere (the H100) 128-row tiles over 64-key blocks, trimmed; long batches keep CONFIGS
