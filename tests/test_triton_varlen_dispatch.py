@@ -154,7 +154,8 @@ def test_short_sequences_select_the_short_configs(monkeypatch, length, short):
     assert configs.config_for(64, short_seqs=True) == configs.CONFIGS[64]  # no mask: in neither short table
     # under a mask, d = 64 / 96 take SHORT_MASKED_CONFIGS (short batches only)
     for d in (64, 96):
-        assert configs.config_for(d, short_seqs=True, masked=True) == configs.SHORT_MASKED_CONFIGS[d] != configs.CONFIGS[d]
+        masked_short = configs.config_for(d, short_seqs=True, masked=True)
+        assert masked_short == configs.SHORT_MASKED_CONFIGS[d] != configs.CONFIGS[d]
         assert configs.config_for(d, masked=True) == configs.config_for(d, long_seqs=True, masked=True) \
             == configs.CONFIGS[d]
     assert configs.config_for(256, short_seqs=True, masked=True) == configs.SHORT_DEFAULT_CONFIGS[256]
