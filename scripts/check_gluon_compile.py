@@ -188,9 +188,17 @@ def compile_forward_kernel(fn, dtype_name: str, head_dim: int, block_m: int, blo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def bundled_ptxas(arch: int = 90) -> str:
+    """The ptxas Triton itself compiles ``arch`` with (from 3.9 on sm_90 its newer "ptxas-blackwell": the older one
+    refuses the PTX version Triton emits)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(arch).path
+
+
 def ptxas_report(ptx: str) -> tuple[str, list[str]]:
     """(registers/spills line, performance warnings) from triton's bundled ptxas for sm_90a."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = bundled_ptxas()
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
@@ -303,7 +311,10 @@ def sass_register_regions(cubin: bytes) -> list[tuple[int, int, int]]:
     """``(register limit, registers used, instructions)`` for each stretch of SASS between two
     ``USETMAXREG`` (setmaxnreg) instructions, in program order, stretches of fewer than 40
     instructions left out: the register budget each warp-specialised partition runs under and
-    the highest register its code touches (+1). Empty for a kernel without setmaxnreg."""
+    the highest register its code touches (+1). A stretch also ends at an ``EXIT``: the blocks after
+    the last one are the partitions' out-of-line retry loops (each branches back into its own
+    partition; Triton 3.9 places them there), not code of the stretch before. Empty for a kernel
+    without setmaxnreg."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -320,6 +331,11 @@ def sass_register_regions(cubin: bytes) -> list[tuple[int, int, int]]:
             limit, top, count = int(m.group(1), 0), -1, 0
             continue
         if limit is not None and re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            if re.search(r"\bEXIT\b", line) and not re.search(r"@!?U?P\d", line):
+                if count >= 40:
+                    regions.append((limit, top + 1, count))
+                limit, top, count = None, -1, 0
+                continue
             count += 1
             for r in re.findall(r"\bR(\d+)\b", line):
                 top = max(top, int(r))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real: the kernels must not be interpreted
@@ -23,6 +24,9 @@ from packattn.ops.varlen import configs as tv  # noqa: E402
 from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
 from packattn.ops.tree.kernels_triton import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
 from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_gluon_compile import bundled_ptxas  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),
@@ -62,7 +66,7 @@ def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask:
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = bundled_ptxas(arch)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"

@@ -14,9 +14,10 @@ from packattn import env
 
 log = logging.getLogger("packattn.triton")
 
-# Triton releases (major.minor) our Gluon kernels compile on: `scripts/ci_gluon_check.py` compiles them for
-# sm_90a on the CPU in CI with the floor and the newest Triton of the declared range, and fails where a
-# release listed here does not compile (Triton 3.7 dropped ``gl.thread_barrier``, which the kernels use).
+# Triton releases (major.minor) our Gluon kernels run on, each checked on a GPU (benchmarks/NOTES.md):
+# `scripts/ci_gluon_check.py` compiles them for sm_90a on the CPU in CI with the floor and the newest Triton of the
+# declared range, and fails where a release listed here does not compile. Names Gluon moved between releases go
+# through `gluon_compat`.
 GLUON_TRITON = ("3.6",)
 # Triton releases whose compiled-kernel launcher `fast_launch` calls directly (its calling convention and
 # specialisation key were checked on a GPU there: tests/gpu/test_triton_varlen_gpu.py).

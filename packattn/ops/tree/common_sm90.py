@@ -6,7 +6,8 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from packattn.ops.runtime.gluon_compat import cp_async_load
 
 
 # ---------------------------------------------------------------- the block walk (every partition)
@@ -62,4 +63,4 @@ def _ends_copy(key_end, n, total, buf, BLOCK_N: gl.constexpr):
     ``total`` are not read and land as 0."""
     layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK_N, layout=layout)
-    async_copy.async_copy_global_to_shared(buf, key_end + n + offs, mask=offs < total - n)
+    cp_async_load(buf, key_end + n + offs, mask=offs < total - n)

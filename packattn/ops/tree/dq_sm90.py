@@ -55,8 +55,9 @@ registers per consumer thread, no spills. ``BLOCK_N = 128`` spills at d = 128 an
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.tree.common_sm90 import _count_blocks, _ends_copy, _first_block, _next_block
 from packattn.ops.varlen.bwd_common_sm90 import _lse_log2, _row_vector, _store_tile
 # the varlen warp-specialised dQ kernel's step and buffers: the tree dQ is that kernel with the tree's block walk
@@ -99,8 +100,8 @@ def _tree_dq_producer(q_desc, k_desc, v_desc, do_desc, KeyEnd, tiles, intervals,
     then K and V (TMA)."""
     head, kv_head, q_start, first, count = _tree_dq_tile(tiles, num_heads_q, group_size, heads_per_section)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_start, head * HEAD_DIM], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [q_start, head * HEAD_DIM], q_bar, do_smem)
+    tma_load(q_desc, [q_start, head * HEAD_DIM], q_bar, q_smem)
+    tma_load(do_desc, [q_start, head * HEAD_DIM], q_bar, do_smem)
     j = q_start * 0  # ring steps so far
     for i in range(0, count):
         lo, hi, kind = _interval(intervals, first + i)

@@ -18,6 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from packattn.ops.runtime import launch
+from packattn.ops.runtime.gluon_compat import thread_barrier
 from packattn.ops.varlen.common_sm90 import _aligned_shift, _visible, row_store_layout
 
 LOG2E = gl.constexpr(launch.LOG2E)
@@ -71,9 +72,9 @@ def _store_tile(acc, stage, base, first_row, end_row, stride_row, ROWS: gl.const
     """Store rows ``first_row + i < end_row`` of ``acc`` (cast to the input dtype) to
     ``base[row * stride_row + d]``, through the shared buffer ``stage`` (an operand buffer nobody
     reads any more) so each thread writes 16 contiguous bytes."""
-    gl.thread_barrier()  # every warp group is done with ``stage``
+    thread_barrier()  # every warp group is done with ``stage``
     stage.store(acc.to(stage.dtype))
-    gl.thread_barrier()
+    thread_barrier()
     layout: gl.constexpr = row_store_layout(num_warps, HEAD_DIM)
     vals = stage.load(layout)
     rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))

@@ -68,6 +68,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from packattn.ops.runtime.gluon_compat import thread_barrier
 from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _dkdv_ws_producer
 from packattn.ops.varlen.bwd_ws_sm90 import _tile_barriers, _zero_tails, ws_partitions
@@ -129,7 +130,7 @@ def _dkdv_ws_step(it, m_start, dk, dv, ntail, k_wg, v_wg, cols, q_bufs, do_bufs,
 def _fill_cols(cols, BLOCK_M: gl.constexpr):
     """Write ``0 .. BLOCK_M-1`` to this consumer's query-position table (`_probs_t_ws`)."""
     cols.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
-    gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
+    thread_barrier()  # (this warp group's threads) before they read it back in another layout
 
 
 @gluon.jit

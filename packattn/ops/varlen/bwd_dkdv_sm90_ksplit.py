@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from packattn.ops.runtime.gluon_compat import thread_barrier
 from packattn.ops.varlen.bwd_common_sm90 import LOG2E, _query_bounds, _store_direct
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile
 from packattn.ops.varlen.bwd_dkdv_sm90_parts import _chain_t
@@ -131,7 +132,7 @@ def _exchange(x, bufs, it, bar, WG: gl.constexpr):
     buf = bufs.index(it % 2)
     buf.slice(WG * WG_KEYS, WG_KEYS, dim=0).store(gl.permute(x.to(bufs.dtype), [1, 0]))
     fence_async_shared()  # generic-proxy stores before the other group's wgmma (async proxy) read them
-    gl.thread_barrier()  # (this warp group) every thread's rows are written before the one arrival
+    thread_barrier()  # (this warp group) every thread's rows are written before the one arrival
     mbarrier.arrive(bar, count=1)
     mbarrier.wait(bar, it & 1)
     return buf
@@ -180,7 +181,7 @@ def _fill_bounds(bnd, k_start, KeyEnd, len_q, len_kv, window_left, window_right,
                                HAS_RIGHT, HAS_CHUNK, TOP_LEFT, TREE)
     bnd.index(2 * WG).store(q_lo)
     bnd.index(2 * WG + 1).store(q_hi)
-    gl.thread_barrier()  # (this warp group's threads) before they read it back in another layout
+    thread_barrier()  # (this warp group's threads) before they read it back in another layout
 
 
 @gluon.jit

@@ -7,8 +7,9 @@ the queries' lse / delta by cp.async into the slot, all tracked by the slot's ``
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from packattn.ops.runtime.gluon_compat import cp_async_load, tma_load
 from packattn.ops.varlen.common_sm90 import _tile_row
 from packattn.ops.varlen.common_sm90_ws import _section_order
 
@@ -40,16 +41,16 @@ def _stats_copy(lse_row, delta_row, stride_lse_head, g, m_start, len_q, buf, BLO
     off = g.to(gl.int64) * stride_lse_head + m_start
     offs = gl.arange(0, BLOCK_M, layout=layout)
     ok = offs < len_q - m_start
-    async_copy.async_copy_global_to_shared(buf.slice(0, BLOCK_M), lse_row + off + offs, mask=ok)
-    async_copy.async_copy_global_to_shared(buf.slice(BLOCK_M, BLOCK_M), delta_row + off + offs, mask=ok)
+    cp_async_load(buf.slice(0, BLOCK_M), lse_row + off + offs, mask=ok)
+    cp_async_load(buf.slice(BLOCK_M, BLOCK_M), delta_row + off + offs, mask=ok)
 
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, row0_kv, k_start, kv_head, HEAD_DIM: gl.constexpr):
     """TMA the tile's K and V (keys ``k_start ...`` of the sequence at row ``row0_kv``) onto ``kv_bar``."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+    tma_load(k_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma_load(v_desc, [row0_kv + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
 
 
 @gluon.jit
@@ -70,8 +71,8 @@ def _produce_steps(q_desc, do_desc, q_bufs, do_bufs, stats, ready, empty, lse_ro
         bar = ready.index(slot)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         col = (first_head + g) * HEAD_DIM
-        tma.async_copy_global_to_shared(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
+        tma_load(q_desc, [row0_q + m_start, col], bar, q_bufs.index(slot))
+        tma_load(do_desc, [row0_q + m_start, col], bar, do_bufs.index(slot))
         m_start += BLOCK_M
         if m_start == m_end:
             m_start = m_lo

@@ -12,8 +12,9 @@ bytes of the three ``[BLOCK_M, HEAD_DIM]`` blocks (Q, dO, O); ``q_bar`` complete
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.varlen.common_sm90 import _load_kv_block
 from packattn.ops.varlen.common_sm90_ws import _program_id, _work_item
 
@@ -45,13 +46,13 @@ def _dq_ws_producer(q_desc, k_desc, v_desc, do_desc, tiles, cu_seqlens_q, cu_seq
         if DELTA_FROM_O:  # O with Q and dO: one phase of q_bar, 3 x BLOCK_M x HEAD_DIM elements
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + o_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
-            tma.async_copy_global_to_shared(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
+            tma_load(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            tma_load(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            tma_load(o_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, o_smem)
         else:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
-            tma.async_copy_global_to_shared(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
+            tma_load(q_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, q_smem)
+            tma_load(do_desc, [row0_q + q_start, head * HEAD_DIM], q_bar, do_smem)
         for j in range(0, num_blocks):
             mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
             _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, j, row0_kv, n_lo, col_kv, num_blocks, STAGES,

@@ -18,8 +18,9 @@ zeroing, barriers, partitions) and `packattn.ops.varlen.bwd_dq_sm90_delta` (delt
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.varlen.bwd_dkdv_sm90_load import _dkdv_tile, _stats_copy
 from packattn.ops.varlen.bwd_dq_sm90_load import _dq_tile
 from packattn.ops.varlen.fwd_sm90_parts import _load_kv_parts, part_hi
@@ -52,9 +53,9 @@ def _alloc_parts(desc, lo_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HI: gl
 def _tma_parts(desc, lo_desc, bar, hi, lo, row, col, HI: gl.constexpr, LO: gl.constexpr):
     """TMA the rows at ``row`` of one tensor's parts (``hi`` at column ``col``, ``lo`` at ``col + HI``) onto
     ``bar`` (whose expected bytes the caller set)."""
-    tma.async_copy_global_to_shared(desc, [row, col], bar, hi)
+    tma_load(desc, [row, col], bar, hi)
     if LO > 0:
-        tma.async_copy_global_to_shared(lo_desc, [row, col + HI], bar, lo)
+        tma_load(lo_desc, [row, col + HI], bar, lo)
 
 
 @gluon.constexpr_function

@@ -29,9 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
 )
+
+from packattn.ops.runtime.gluon_compat import thread_barrier, tma_load
 
 
 # ---------------------------------------------------------------- layouts (compile-time helpers)
@@ -242,8 +243,8 @@ def _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, ready, block, row0_kv, n_lo, 
     bar = ready.index(slot)
     row = row0_kv + n_lo + block * BLOCK_N
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, col_kv], bar, k_bufs.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [row, col_kv], bar, v_bufs.index(slot), pred=pred)
+    tma_load(k_desc, [row, col_kv], bar, k_bufs.index(slot), pred=pred)
+    tma_load(v_desc, [row, col_kv], bar, v_bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -269,7 +270,7 @@ def _zero_v_tail(v_buf, first_row, len_kv, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
         vals = part.load(layout)
         part.store(gl.where((rows < len_kv)[:, None], vals, gl.zeros_like(vals)))
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.constexpr_function

@@ -12,9 +12,10 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from packattn.ops.runtime import launch
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.varlen.common_sm90 import _tile_row, quad_vec_layout
 
 LN2 = gl.constexpr(launch.LN2)
@@ -124,7 +125,7 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_empty, loads_q, row, col):
     released the previous tile's Q on ``q_empty`` (``loads_q``: Q loads issued before this one)."""
     mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+    tma_load(q_desc, [row, col], q_bar, q_smem)
 
 
 @gluon.jit

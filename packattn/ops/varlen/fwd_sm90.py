@@ -51,6 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from packattn.ops.runtime.gluon_compat import smem_as_block
 from packattn.ops.varlen.common_sm90 import (_aligned_shift, _key_range, _rows_any, _scale_acc, _softmax_any,
                                                _to_operand, _zero_v_tail, mma_layout, tail_chunk)
 from packattn.ops.varlen.common_sm90_ws import _work_item, _ws_buffers, _ws_epilogue, _ws_load_q, _ws_tile_start
@@ -318,7 +319,7 @@ def _ws_consumer(Out, Lse, tiles, cu_seqlens_q, cu_seqlens_kv, row_offsets_q, ro
     o_lo_layout: gl.constexpr = lo_mma_layout(HEAD_DIM_V)
     Q_WG: gl.constexpr = WG if q_desc_in_loop(HEAD_DIM, HEAD_DIM_V, BLOCK_N) and not Q_REGS else -1
     if Q_WG >= 0:  # (`_q_view`)
-        q_wg = q_smem._reinterpret(q_smem.dtype, [1, 64 * NUM_CONSUMERS, q_smem.shape[1]], q_smem.layout)
+        q_wg = smem_as_block(q_smem, 64 * NUM_CONSUMERS)
     else:
         q_wg = q_smem.slice(WG * 64, 64, dim=0)
     q_lo_wg = None  # (None where the dim has one part: the buffers passed then are stand-ins)

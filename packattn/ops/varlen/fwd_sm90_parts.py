@@ -16,10 +16,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
-    tma,
     warpgroup_mma,
 )
 
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.varlen.common_sm90 import _issue_qk, _scale_acc, mma_layout
 from packattn.ops.varlen.common_sm90_ws import _ring_barriers
 
@@ -75,9 +75,9 @@ def _load_q_parts(q_desc, q_lo_desc, q_smem, q_lo, q_bar, q_empty, loads_q, row,
     mbarrier.wait(q_empty, (loads_q & 1) ^ 1)
     nbytes: gl.constexpr = q_desc.block_type.nbytes + (0 if q_lo_desc is None else q_lo_desc.block_type.nbytes)
     mbarrier.expect(q_bar, nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+    tma_load(q_desc, [row, col], q_bar, q_smem)
     if q_lo_desc is not None:
-        tma.async_copy_global_to_shared(q_lo_desc, [row, col + D_HI], q_bar, q_lo)
+        tma_load(q_lo_desc, [row, col + D_HI], q_bar, q_lo)
 
 
 @gluon.jit
@@ -94,12 +94,12 @@ def _load_kv_parts(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bu
                             + (0 if k_lo_desc is None else k_lo_desc.block_type.nbytes)
                             + (0 if v_lo_desc is None else v_lo_desc.block_type.nbytes))
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_bufs.index(slot), pred=pred)
+    tma_load(k_desc, [row, col_k], bar, k_bufs.index(slot), pred=pred)
     if k_lo_desc is not None:
-        tma.async_copy_global_to_shared(k_lo_desc, [row, col_k + D_HI], bar, k_lo_bufs.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [row, col_v], bar, v_bufs.index(slot), pred=pred)
+        tma_load(k_lo_desc, [row, col_k + D_HI], bar, k_lo_bufs.index(slot), pred=pred)
+    tma_load(v_desc, [row, col_v], bar, v_bufs.index(slot), pred=pred)
     if v_lo_desc is not None:
-        tma.async_copy_global_to_shared(v_lo_desc, [row, col_v + DV_HI], bar, v_lo_bufs.index(slot), pred=pred)
+        tma_load(v_lo_desc, [row, col_v + DV_HI], bar, v_lo_bufs.index(slot), pred=pred)
 
 
 @gluon.jit

@@ -16,8 +16,9 @@ Without ``SPLIT_KV`` / ``Q_REGS`` the helpers emit the code of the kernel before
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from packattn.ops.runtime.gluon_compat import tma_load
 from packattn.ops.varlen.common_sm90 import _load_kv_block
 from packattn.ops.varlen.common_sm90_ws import _opaque_i32
 from packattn.ops.varlen.fwd_sm90_parts import _load_kv_parts
@@ -36,15 +37,15 @@ def _load_kv_split(k_desc, v_desc, k_lo_desc, v_lo_desc, k_bufs, v_bufs, k_lo_bu
     mbarrier.wait(empty.index(slot), phase)
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (0 if k_lo_desc is None else k_lo_desc.block_type.nbytes)
     mbarrier.expect(ready.index(slot), k_bytes)
-    tma.async_copy_global_to_shared(k_desc, [row, col_k], ready.index(slot), k_bufs.index(slot))
+    tma_load(k_desc, [row, col_k], ready.index(slot), k_bufs.index(slot))
     if k_lo_desc is not None:
-        tma.async_copy_global_to_shared(k_lo_desc, [row, col_k + D_HI], ready.index(slot), k_lo_bufs.index(slot))
+        tma_load(k_lo_desc, [row, col_k + D_HI], ready.index(slot), k_lo_bufs.index(slot))
     mbarrier.wait(empty.index(STAGES + slot), phase)
     v_bytes: gl.constexpr = v_desc.block_type.nbytes + (0 if v_lo_desc is None else v_lo_desc.block_type.nbytes)
     mbarrier.expect(ready.index(STAGES + slot), v_bytes)
-    tma.async_copy_global_to_shared(v_desc, [row, col_v], ready.index(STAGES + slot), v_bufs.index(slot))
+    tma_load(v_desc, [row, col_v], ready.index(STAGES + slot), v_bufs.index(slot))
     if v_lo_desc is not None:
-        tma.async_copy_global_to_shared(v_lo_desc, [row, col_v + DV_HI], ready.index(STAGES + slot),
+        tma_load(v_lo_desc, [row, col_v + DV_HI], ready.index(STAGES + slot),
                                         v_lo_bufs.index(slot))
 
 
