@@ -9,8 +9,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # cp.async of a tensor of pointers into shared memory: `async_copy.async_load` where it exists (as `tma_load`)
 cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# a barrier over the calling partition's warps: `thread_barrier` up to 3.6, `barrier` after
-thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# a barrier over the calling partition's warps: `barrier` where it exists (from 3.7), `thread_barrier` before
+thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # `shared_memory_descriptor.reinterpret`: public from 3.9 (`_reinterpret` before)
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
