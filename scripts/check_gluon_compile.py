@@ -42,6 +42,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nvidia_tools import bundled_ptxas, disassemble  # noqa: E402
 from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, dims_key, ws_split  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
@@ -188,14 +190,6 @@ def compile_forward_kernel(fn, dtype_name: str, head_dim: int, block_m: int, blo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def bundled_ptxas(arch: int = 90) -> str:
-    """The ptxas Triton itself compiles ``arch`` with (from 3.9 on sm_90 its newer "ptxas-blackwell": the older one
-    refuses the PTX version Triton emits)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    return get_ptxas(arch).path
-
-
 def ptxas_report(ptx: str) -> tuple[str, list[str]]:
     """(registers/spills line, performance warnings) from triton's bundled ptxas for sm_90a."""
     ptxas = bundled_ptxas()
@@ -277,11 +271,10 @@ def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
 def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
     """``(in key-block loops, in all)``: local-memory (spill) instructions of the SASS, and those inside an
     innermost loop that issues wgmma (a backward branch whose body holds HGMMA and no other such loop)."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=False).stdout
+        sass = disassemble(f.name)
     finally:
         os.unlink(f.name)
     labels, ins, pending = {}, [], []
@@ -311,15 +304,14 @@ def sass_register_regions(cubin: bytes) -> list[tuple[int, int, int]]:
     """``(register limit, registers used, instructions)`` for each stretch of SASS between two
     ``USETMAXREG`` (setmaxnreg) instructions, in program order, stretches of fewer than 40
     instructions left out: the register budget each warp-specialised partition runs under and
-    the highest register its code touches (+1). A stretch also ends at an ``EXIT``: the blocks after
-    the last one are the partitions' out-of-line retry loops (each branches back into its own
-    partition; Triton 3.9 places them there), not code of the stretch before. Empty for a kernel
-    without setmaxnreg."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    the highest register its code touches (+1). A stretch also ends at an unpredicated ``EXIT``: what
+    follows one is reached by branches only, from whichever partition (Triton 3.9 puts the partitions'
+    out-of-line mbarrier retry loops after the last setmaxnreg), so it is attributed to no budget until
+    the next setmaxnreg. Empty for a kernel without setmaxnreg."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+        sass = disassemble(f.name)
     finally:
         os.unlink(f.name)
     regions, limit, top, count = [], None, -1, 0

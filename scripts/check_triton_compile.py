@@ -26,7 +26,7 @@ from packattn.ops.tree.kernels_triton import tree_dq_kernel, tree_fwd_kernel  # 
 from packattn.ops.varlen.fwd_triton import varlen_fwd_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gluon_compile import bundled_ptxas  # noqa: E402
+from nvidia_tools import bundled_ptxas  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = {"fwd": (varlen_fwd_kernel, ("Q", "K", "V", "Out")),
