@@ -270,7 +270,10 @@ def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
 
 def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
     """``(in key-block loops, in all)``: local-memory (spill) instructions of the SASS, and those inside an
-    innermost loop that issues wgmma (a backward branch whose body holds HGMMA and no other such loop)."""
+    innermost loop that issues wgmma (a backward branch whose body holds HGMMA and no other such loop). A
+    backward branch from past the kernel's last unconditional EXIT is no loop: Triton 3.9 puts each mbarrier
+    wait's retry loop there, out of line, and jumps back to the wait site from it (which would otherwise read
+    as one loop spanning everything between the wait and the end of the kernel)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -289,10 +292,12 @@ def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
             pending = []
             ins.append((int(m.group(1), 16), m.group(2)))
     local = [a for a, text in ins if re.search(r"\b(?:LDL|STL)\b", text)]
+    last_exit = max((a for a, text in ins if re.match(r"EXIT\b", text)), default=None)
     loops = []
     for a, text in ins:
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
-        if target and labels.get(target.group(1), a) < a:
+        out_of_line = last_exit is not None and a > last_exit
+        if target and labels.get(target.group(1), a) < a and not out_of_line:
             lo = labels[target.group(1)]
             if any("HGMMA" in x for b, x in ins if lo <= b <= a):
                 loops.append((lo, a))

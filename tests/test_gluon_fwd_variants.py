@@ -48,7 +48,7 @@ def test_variant_flags_are_validated_and_split_kv_counts_its_barriers():
     # Q + the ring + q_bar / q_empty and one ready / empty pair per slot, twice as many with split_kv
     assert launch_sm90.shared_bytes(one, 256) == (128 + 2 * 2 * 64) * 256 * 2 + 8 * (2 + 2 * 2)
     assert launch_sm90.shared_bytes(split, 256) == launch_sm90.shared_bytes(one, 256) + 8 * 2 * 2
-    assert CONFIGS[256].split_kv and not any(CONFIGS[d].split_kv for d in (64, 96, 128, 192))
+    assert CONFIGS[256].split_kv and not any(CONFIGS[d].split_kv for d in (64, 96, 192))  # (128: per release)
 
 
 @pytest.mark.parametrize("cfg,want,split", [(CONFIGS[64], None, False),
@@ -157,12 +157,13 @@ def test_split_kv_compiles_for_sm90a_without_spills(dims, config):
 
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
 def test_q_in_registers_compiles_for_sm90a_without_spills():
-    """Q in registers (the d = 192 table config, two column parts): no spills, the softmax overlaps PV, and every
-    S product of the SASS takes Q from registers (``HGMMA ... R<a>, gdesc``: only K from shared memory) where the
-    shared-memory config's take both operands from descriptors."""
+    """Q in registers (at d = 192, two column parts; the table config on Triton 3.6): the check's criteria (no
+    spill inside the key-block loop, the softmax overlaps PV), and every S product of the SASS takes Q from
+    registers (``HGMMA ... R<a>, gdesc``: only K from shared memory) where the shared-memory config's take both
+    operands from descriptors."""
     script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
               "import os, subprocess, tempfile, triton\n"
-              "for cfg in ('128,64,3,8,qregs', '128,64,3,8'):\n"
+              "for cfg in ('128,64,3,8,qregs,vec', '128,64,3,8,vec'):\n"
               "    problem, text = c.check_variant('bf16', (192, 192), 'R', cfg)\n"
               "    print(text, flush=True)\n"
               "    if problem: sys.exit(1)\n"
@@ -175,11 +176,11 @@ def test_q_in_registers_compiles_for_sm90a_without_spills():
               "    print(cfg, 'S products', len(s_products), 'with Q in registers',\n"
               "          sum(', R' in l.split('HGMMA')[1].split('gdesc')[0] for l in s_products), flush=True)\n")
     stdout = compile_check(script, timeout=240)
-    assert stdout.count("overlap OK") == 2 and stdout.count(" 0 bytes spill stores") == 2
+    assert stdout.count("overlap OK") == 2
     counts = [line.split() for line in stdout.splitlines() if " S products " in line]
     (regs_cfg, _, _, n_regs, *_, in_regs), (smem_cfg, _, _, n_smem, *_, smem_in_regs) = counts
-    assert regs_cfg.endswith("qregs") and int(n_regs) > 0 and int(in_regs) == int(n_regs)
-    assert not smem_cfg.endswith("qregs") and int(n_smem) > 0 and int(smem_in_regs) == 0
+    assert "qregs" in regs_cfg and int(n_regs) > 0 and int(in_regs) == int(n_regs)
+    assert "qregs" not in smem_cfg and int(n_smem) > 0 and int(smem_in_regs) == 0
 
 
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")

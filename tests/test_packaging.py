@@ -67,13 +67,31 @@ def test_readme_tells_cpu_users_how_to_get_the_cpu_build():
     assert "/whl/cpu" in install and "packattn[jax]" in install
 
 
-@pytest.mark.parametrize("version, on", [("3.6.0", True), ("3.6.1+git0123", True), ("3.9.0", False),
-                                         ("3.10.0", False), ("3.60.0", False)])
+@pytest.mark.parametrize("version, on", [("3.6.0", True), ("3.6.1+git0123", True), ("3.9.0", True), ("3.9.1", True),
+                                         ("3.8.0", False), ("3.10.0", False), ("3.60.0", False), ("3.96.0", False)])
 def test_gluon_runs_only_on_listed_triton_releases(version, on):
     reason = support.gluon_unsupported(version)
     assert (reason is None) == on
     if not on:
-        assert version in reason and "3.6" in reason and "Triton kernels run instead" in reason
+        assert version in reason and "3.6 / 3.9" in reason and "Triton kernels run instead" in reason
+
+
+def test_release_configs_replace_table_entries_on_their_release_only():
+    """`RELEASE_FWD_CONFIGS` entries are what the tables (and `config_for`) hold on the release they name (from
+    import); on another release they are not."""
+    from packattn.ops.varlen import configs
+
+    release = support.triton_release(support.triton_version())
+    entries = configs.RELEASE_FWD_CONFIGS.get(release, {})
+    assert "3.9" in configs.RELEASE_FWD_CONFIGS and release is not None
+    for name, table in configs.fwd_tables().items():
+        for dim, cfg in entries.get(name, {}).items():
+            assert table[dim] == cfg
+    if release == "3.9":
+        assert configs.config_for(192) == configs.RELEASE_FWD_CONFIGS["3.9"]["CONFIGS"][192]
+    else:
+        assert configs.config_for(192) != configs.RELEASE_FWD_CONFIGS["3.9"]["CONFIGS"][192]
+    assert support.triton_release("3.9.1+git0123") == "3.9" and support.triton_release(None) is None
 
 
 def test_no_triton_is_a_reason_too(monkeypatch):
@@ -104,8 +122,9 @@ def test_fast_launch_stays_off_on_an_unchecked_release(monkeypatch, caplog):
     pytest.importorskip("triton")
     from packattn.ops.runtime import fast_launch
 
-    reason = support.release_unsupported("fast launches", support.FAST_LAUNCH_TRITON, "3.9.0", "slow path")
-    assert reason == "fast launches off: built for Triton 3.6, found 3.9.0; slow path"
+    reason = support.release_unsupported("fast launches", support.FAST_LAUNCH_TRITON, "3.8.0", "slow path")
+    built = " / ".join(support.FAST_LAUNCH_TRITON)
+    assert reason == f"fast launches off: built for Triton {built}, found 3.8.0; slow path"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PACKATTN_PORTABLE", raising=False)
     monkeypatch.setattr(fast_launch, "_RELEASE_OFF", reason)

@@ -18,10 +18,10 @@ log = logging.getLogger("packattn.triton")
 # `scripts/ci_gluon_check.py` compiles them for sm_90a on the CPU in CI with the floor and the newest Triton of the
 # declared range, and fails where a release listed here does not compile. Names Gluon moved between releases go
 # through `gluon_compat`.
-GLUON_TRITON = ("3.6",)
+GLUON_TRITON = ("3.6", "3.9")
 # Triton releases whose compiled-kernel launcher `fast_launch` calls directly (its calling convention and
 # specialisation key were checked on a GPU there: tests/gpu/test_triton_varlen_gpu.py).
-FAST_LAUNCH_TRITON = ("3.6",)
+FAST_LAUNCH_TRITON = ("3.6", "3.9")
 
 
 def triton_version() -> str | None:
@@ -34,12 +34,17 @@ def triton_version() -> str | None:
     return None
 
 
+def triton_release(version: str | None) -> str | None:
+    """The major.minor of Triton ``version`` ("3.6.1+git0123" -> "3.6"); None for None."""
+    return None if version is None else ".".join(version.split("+")[0].split(".")[:2])
+
+
 def release_unsupported(what: str, releases: tuple[str, ...], version: str | None, instead: str) -> str | None:
     """Why ``what`` cannot run on Triton ``version`` (None: its major.minor is one of ``releases``);
     ``instead``: what runs in its place."""
     if version is None:
         return f"{what} off: triton is not installed"
-    if ".".join(version.split("+")[0].split(".")[:2]) in releases:
+    if triton_release(version) in releases:
         return None
     return f"{what} off: built for Triton {' / '.join(releases)}, found {version}; {instead}"
 

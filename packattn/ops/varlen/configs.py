@@ -7,7 +7,8 @@
   `FALLBACK_CONFIGS` (other CUDA GPUs), `FP32_CONFIGS`, `INTERPRETER_CONFIGS`;
 * the sm_90 Gluon forward (`config_for`, all its tables by name: `fwd_tables`): `CONFIGS`, `LONG_CONFIGS`,
   `SHORT_CONFIGS` on `SHORT_CONFIG_GPUS`, `SHORT_DEFAULT_CONFIGS` elsewhere and at the head dims `SHORT_CONFIGS`
-  lacks, `SHORT_MASKED_CONFIGS` under a mask at the rest; it runs from `GLUON_MIN_SEQLEN` rows;
+  lacks, `SHORT_MASKED_CONFIGS` under a mask at the rest (entries of `RELEASE_FWD_CONFIGS` replace theirs on
+  the Triton release they name); it runs from `GLUON_MIN_SEQLEN` rows;
 * the sm_90 Gluon backward (warp-specialised kernels): `dkdv_config` (`DKDV_CONFIGS`, `DKDV_GQA_CONFIGS` from
   `DKDV_GQA_GROUP`) and `dq_config` (`DQ_CONFIGS`, `DQ_SHORT_CONFIGS`); the Gluon dQ computes delta itself where
   its config's ``fused_delta`` says so (`packattn.ops.varlen.op.fuses_delta`);
@@ -29,7 +30,7 @@ import torch
 
 from packattn.lengths import SHORT_SEQLEN, short_batch  # noqa: F401 (a length class of these tables)
 from packattn.ops.runtime.launch import LaunchConfig, block_d, overriding
-from packattn.ops.runtime.support import cuda_index, interpreting
+from packattn.ops.runtime.support import cuda_index, interpreting, triton_release, triton_version
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -198,6 +199,16 @@ SHORT_DEFAULT_CONFIGS = {128: GluonConfig(128, 64, 4, 8, trim=True),
 # stay faster from 256-token documents up.
 SHORT_MASKED_CONFIGS = {64: GluonConfig(64, 64, 3, 4, vec_store=True),
                         96: GluonConfig(128, 64, 4, 8, trim=True, vec_store=True)}
+# Forward configs of one Triton release (major.minor) in place of the tables' above, applied at import. Triton 3.9
+# compiles with ptxas 13.4 (and `--regAllocOptLevel=2`), which spills inside the key-block loop where 3.6's ptxas
+# did not: at d = 192 with Q in registers (W1 lengths on an H100: 0.80 ms against 0.60 with Q in shared memory,
+# which matches 3.6's table config there) and at d = 128 without a mask (2 spill accesses a block; the split K / V
+# barriers compile clean and time the same causal). NOTES.md, v42.
+_T39_LONG = {128: GluonConfig(128, 128, 3, 8, split_kv=True), 192: GluonConfig(128, 64, 3, 8, vec_store=True)}
+RELEASE_FWD_CONFIGS = {"3.9": {"CONFIGS": _T39_LONG, "LONG_CONFIGS": _T39_LONG,
+                               "SHORT_DEFAULT_CONFIGS": {192: GluonConfig(128, 64, 3, 8, trim=True, vec_store=True)}}}
+for _name, _entries in RELEASE_FWD_CONFIGS.get(triton_release(triton_version()), {}).items():
+    globals()[_name] = {**globals()[_name], **_entries}
 FORCE_FWD: GluonConfig | None = None  # `override(fwd=...)`: the config every Gluon forward takes
 
 
