@@ -8,8 +8,9 @@ budgets, and the overlap (the main loop waits with wgmma groups pending while ``
     python scripts/check_gluon_bwd_parts_compile.py --tree                 # dK/dV with the tree mask
 
 `PROPOSED` holds the configs the GPU script (scripts/gluon_bwd_dims_gpu.py) enables with `configs.override`; the
-dQ compiles with DELTA_FROM_O (as `op.fuses_delta` runs it) unless ``--no-delta``. A ``key_split`` dK/dV config (the
-table's at d = 192) is checked on the key-split kernel (scripts/check_gluon_ksplit_compile.py).
+dQ compiles with DELTA_FROM_O where its config fuses delta (as `op.fuses_delta` runs it) unless ``--no-delta``. A
+``key_split`` dK/dV config (the table's at d = 192) is checked on the key-split kernel
+(scripts/check_gluon_ksplit_compile.py).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def main() -> int:
             cfg = parse_config(args.config) if args.config else PROPOSED[dims][kernel == "dq"]
             for dtype_name in args.dtypes:
                 for mask in ["tree"] if args.tree else args.masks:
-                    ok, text = check(kernel, dtype_name, dims, mask, cfg, args.tree, not args.no_delta)
+                    ok, text = check(kernel, dtype_name, dims, mask, cfg, args.tree,
+                                     cfg.fused_delta and not args.no_delta)
                     failures += not ok
                     print(text, flush=True)
     print(f"{failures} variant(s) with problems", flush=True)

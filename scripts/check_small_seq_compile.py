@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -25,6 +24,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_triton_compile import ptxas_report
+from nvidia_tools import cuobjdump_sass
 
 from packattn.ops.small_seq import configs, kernels_mma, kernels_stack
 
@@ -70,11 +70,12 @@ def compile_pass(kind: str, head_dim: int, group: int, heads_kv: int, config: co
 def loop_instructions(cubin: bytes) -> int:
     """SASS instructions of the kernel's largest loop (the unit loop's steady state, issued per warp per
     unit): the longest backward branch of ``cuobjdump -sass``; 0 when there is none."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
-    sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    try:
+        sass = cuobjdump_sass(f.name)
+    finally:
+        os.unlink(f.name)
     longest = 0
     for addr, target in re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass):
         if int(target, 16) < int(addr, 16):  # a backward branch: a loop

@@ -20,3 +20,12 @@ def disassemble(cubin_path: str) -> str:
 
     return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", cubin_path], capture_output=True, text=True,
                           check=True).stdout
+
+
+def cuobjdump_sass(cubin_path: str) -> str:
+    """``cuobjdump -sass`` of a cubin (branch targets as addresses) with the cuobjdump Triton uses;
+    CalledProcessError if it fails."""
+    from triton import knobs
+
+    return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", cubin_path], capture_output=True, text=True,
+                          check=True).stdout
