@@ -1,7 +1,7 @@
 # Sourced by the scripts here: make (once) and enter .venv with packattn (editable), its test deps and the
 # optional integrations whose tests run too (extras hf, jax, bench), each resolved within pyproject.toml's ranges.
 # Where torch is not importable yet: torch==2.13.0 (on CPU machines of this project's kind pip finds the CPU
-# build among the machine's local wheels) and triton==3.6.0 (the release our Hopper Gluon kernels build on).
+# build among the machine's local wheels) and triton==3.6.0 (torch 2.11's; our Gluon kernels also run on 3.9).
 # Packages already installed and in range are kept. CI tests the ranges' ends in venvs of its own (.ci/run).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -271,9 +271,10 @@ def overlap_proof(compiled) -> tuple[bool, str, list[dict]]:
 def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
     """``(in key-block loops, in all)``: local-memory (spill) instructions of the SASS, and those inside an
     innermost loop that issues wgmma (a backward branch whose body holds HGMMA and no other such loop). A
-    backward branch from past the kernel's last unconditional EXIT is no loop: Triton 3.9 puts each mbarrier
-    wait's retry loop there, out of line, and jumps back to the wait site from it (which would otherwise read
-    as one loop spanning everything between the wait and the end of the kernel)."""
+    backward branch from past the kernel's last unconditional EXIT to a target before it is no loop: the
+    mbarrier waits' retry loops sit there, out of line, and jump back to the wait site (which would otherwise
+    read as one loop spanning everything between the wait and the end of the kernel; with Triton 3.9's ptxas it
+    made spills outside the key-block loops count as inside). A loop wholly past that EXIT still counts."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -296,11 +297,10 @@ def sass_spill_accesses(cubin: bytes) -> tuple[int, int]:
     loops = []
     for a, text in ins:
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
-        out_of_line = last_exit is not None and a > last_exit
-        if target and labels.get(target.group(1), a) < a and not out_of_line:
-            lo = labels[target.group(1)]
-            if any("HGMMA" in x for b, x in ins if lo <= b <= a):
-                loops.append((lo, a))
+        start = labels.get(target.group(1), a) if target else a
+        back_from_stub = last_exit is not None and start <= last_exit < a
+        if start < a and not back_from_stub and any("HGMMA" in x for b, x in ins if start <= b <= a):
+            loops.append((start, a))
     inner = [(lo, hi) for lo, hi in loops if not any(lo <= a2 < b2 <= hi and (a2, b2) != (lo, hi) for a2, b2 in loops)]
     return sum(any(lo <= a <= hi for lo, hi in inner) for a in local), len(local)
 

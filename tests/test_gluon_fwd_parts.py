@@ -102,19 +102,23 @@ def test_shared_memory_counts_q_k_and_v_at_their_own_head_dims():
 
 @pytest.mark.skipif(support.installed_gluon_unsupported() is not None, reason="the installed Triton has no Gluon")
 def test_new_head_dims_compile_for_sm90a_without_spills():
-    """One subprocess (Triton's interpreter is on in this one) compiles each proposed config under the causal
-    mask and applies `check_gluon_compile.check_variant`'s checks."""
-    jobs = [(dims, _config(dims)) for dims in PROPOSED]
+    """One subprocess (Triton's interpreter is on in this one) compiles each dims' config (every field of it)
+    under the causal mask and applies `check_gluon_compile.check_variant`'s checks; on Triton 3.9 d = 96's table
+    config keeps a few spill accesses in its loop (`configs.RELEASE_FWD_CONFIGS`' comment), so there it need only
+    compile and overlap."""
+    spills_ok = [(96, 96)] if support.triton_release(support.triton_version()) == "3.9" else []
+    jobs = [(dims, repr(_config(dims)), dims in spills_ok) for dims in PROPOSED]
     script = ("import sys; sys.path.insert(0, 'scripts'); import check_gluon_compile as c\n"
-              f"jobs = {[(dims, c.block_m, c.block_n, c.stages, c.num_warps) for dims, c in jobs]}\n"
+              "from packattn.ops.varlen.configs import GluonConfig\n"
+              f"jobs = {jobs!r}\n"
               "bad = 0\n"
-              "for dims, *cfg in jobs:\n"
-              "    problem, text = c.check_variant('bf16', dims, 'R', ','.join(map(str, cfg)))\n"
-              "    bad += problem\n"
+              "for dims, cfg, spills_ok in jobs:\n"
+              "    problem, text = c.check_variant('bf16', dims, 'R', c.label_of(eval(cfg)))\n"
+              "    bad += problem and not (spills_ok and 'spill accesses' in text)\n"
               "    print(text, flush=True)\n"
               "sys.exit(1 if bad else 0)\n")
     stdout = compile_check(script)
-    assert stdout.count("overlap OK") == len(jobs) and " 0 bytes spill stores" in stdout
+    assert stdout.count("overlap OK") == len(jobs)
 
 
 def test_a_head_dim_with_no_usable_second_part_is_refused_before_any_kernel():

@@ -78,7 +78,8 @@ def test_gluon_runs_only_on_listed_triton_releases(version, on):
 
 def test_release_configs_replace_table_entries_on_their_release_only():
     """`RELEASE_FWD_CONFIGS` entries are what the tables (and `config_for`) hold on the release they name (from
-    import); on another release they are not."""
+    import); on another release they are not. Each release's tables pass the head-dim checks."""
+    pytest.importorskip("triton")
     from packattn.ops.varlen import configs
 
     release = support.triton_release(support.triton_version())
@@ -92,6 +93,11 @@ def test_release_configs_replace_table_entries_on_their_release_only():
     else:
         assert configs.config_for(192) != configs.RELEASE_FWD_CONFIGS["3.9"]["CONFIGS"][192]
     assert support.triton_release("3.9.1+git0123") == "3.9" and support.triton_release(None) is None
+    for other in configs.RELEASE_FWD_CONFIGS.values():  # `override` runs the tables' checks on entry
+        tables = configs.fwd_tables()
+        with configs.override(**{name: {**tables[name], **changes} for name, changes in other.items()}):
+            if "CONFIGS" in other:
+                assert all(configs.config_for(dim) == cfg for dim, cfg in other["CONFIGS"].items())
 
 
 def test_no_triton_is_a_reason_too(monkeypatch):

@@ -173,16 +173,18 @@ class GluonConfig:
 # best, are bound by their Q reads; NOTES.md, v37), and lazy rescaling: its O rescale (128 multiplies per thread a
 # block) costs more than the block's softmax; at the other dims lazy rescaling is slower (v35) and the split
 # barriers gain nothing (v37). 96, 192 and MLA: the best of two configs that compile for sm_90a without spills
-# (v34); at 192 and MLA with Q in registers: their 64-key S products would read Q from shared memory as often as K
-# (at 96 / 128 it is slower, v37). The output leaves in `vec_store`'s 16-byte pieces at 64, 96, 256 and MLA (v39,
-# v40; at 192 no gain, v39, but in short batches it is on; no room at d = 128 with 3 stages; 128 / 64 untried).
+# (v34; Triton 3.6's ptxas, see `RELEASE_FWD_CONFIGS` for 3.9); at 192 and MLA with Q in registers: their 64-key S
+# products would read Q from shared memory as often as K (at 96 / 128 it is slower, v37). The output leaves in
+# `vec_store`'s 16-byte pieces at 64, 96, 256 and MLA (v39, v40; at 192 no gain, v39, but in short batches it is
+# on; no room at d = 128 with 3 stages; 128 / 64 untried).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
            256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True, vec_store=True),
            (192, 128): GluonConfig(128, 64, 4, 8, q_in_regs=True, vec_store=True),
            (128, 64): GluonConfig(128, 128, 4, 8)}
-# Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13).
+# Batches with a sequence of >= LONG_SEQLEN queries: the same tiles measured best on W4 (NOTES.md, v13). (A copy
+# made before `RELEASE_FWD_CONFIGS` applies: a release entry names each table it replaces configs in.)
 LONG_CONFIGS = dict(CONFIGS)
 # Short batches (`short_batch`) at d = 128 on the GPUs named in SHORT_CONFIG_GPUS: 64 x 64 tiles, one consumer
 # warp group, two CTAs per SM (NOTES.md, v19); on the H100 the 128-row tiles win (v22).
@@ -203,7 +205,8 @@ SHORT_MASKED_CONFIGS = {64: GluonConfig(64, 64, 3, 4, vec_store=True),
 # compiles with ptxas 13.4 (and `--regAllocOptLevel=2`), which spills inside the key-block loop where 3.6's ptxas
 # did not: at d = 192 with Q in registers (W1 lengths on an H100: 0.80 ms against 0.60 with Q in shared memory,
 # which matches 3.6's table config there) and at d = 128 without a mask (2 spill accesses a block; the split K / V
-# barriers compile clean and time the same causal). NOTES.md, v42.
+# barriers compile clean and time the same causal). d = 96 keeps its config on 3.9 though it spills there too (7
+# accesses in the loop): the configs that do not were slower (0.81-0.84 against 0.78 ms). NOTES.md, v42.
 _T39_LONG = {128: GluonConfig(128, 128, 3, 8, split_kv=True), 192: GluonConfig(128, 64, 3, 8, vec_store=True)}
 RELEASE_FWD_CONFIGS = {"3.9": {"CONFIGS": _T39_LONG, "LONG_CONFIGS": _T39_LONG,
                                "SHORT_DEFAULT_CONFIGS": {192: GluonConfig(128, 64, 3, 8, trim=True, vec_store=True)}}}
