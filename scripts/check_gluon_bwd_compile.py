@@ -41,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS  # noqa: E402
 from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, ws_split  # noqa: E402
 from packattn.ops.tree.configs import TREE_DQ_CONFIGS  # noqa: E402
 from packattn.ops.tree.dq_sm90 import tree_dq_gluon_ws_kernel  # noqa: E402
@@ -139,7 +140,7 @@ def compile_variant(kernel: str, dtype_name: str, head_dim: int, mask: str, cfg,
         constexprs.update(DELTA_FROM_O=delta_from_o)
         if not delta_from_o:
             constexprs.update(o_desc=None)  # (a None argument is a constant: no kernel parameter)
-    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"]}
+    options = {"num_warps": 4, "num_stages": 1, "maxnreg": res["maxnreg"], **COMPILE_OPTIONS}
     signature = kernel_signature(fn, constexprs, _descriptor_type(dtype, [cfg.block_m, head_dim]),
                                  _descriptor_type(dtype, [cfg.block_n, head_dim]), "*" + dtype_name, INT_POINTERS)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}

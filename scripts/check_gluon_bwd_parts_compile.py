@@ -30,6 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS  # noqa: E402
 from packattn.ops.runtime.sm90 import ws_split  # noqa: E402
 from packattn.ops.varlen.fwd_sm90_parts import part_hi  # noqa: E402
 from packattn.ops.varlen.launch_sm90_bwd_parts import dkdv_parts_resources, dq_parts_resources  # noqa: E402
@@ -91,7 +92,7 @@ def compile_in_parts(fn, dtype_name: str, blocks: dict, constexprs: dict, maxnre
                       if name in signature and name not in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ALIGNED}
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items() if k in fn.arg_names}
-    options = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg}
+    options = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg, **COMPILE_OPTIONS}
     return triton.compile(GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)
 

@@ -44,6 +44,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nvidia_tools import bundled_ptxas, disassemble  # noqa: E402
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS  # noqa: E402
 from packattn.ops.runtime.sm90 import CTA_SHARED, _smem_layout, dims_key, ws_split  # noqa: E402
 from packattn.ops.varlen import configs  # noqa: E402
 from packattn.ops.varlen.configs import GluonConfig  # noqa: E402
@@ -154,7 +155,7 @@ def compile_variant(dtype_name: str, dims, mask: str, cfg=None):
                       num_warps=4, **fwd_variant_constexprs(cfg))
     blocks = part_blocks((d, dv), cfg.block_m, cfg.block_n)
     constexprs.update({name: None for name, block in blocks.items() if block is None})
-    options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}
+    options = {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"], **COMPILE_OPTIONS}
     aligned = set(POINTERS) | {"stride_o_row", "stride_o_head", "stride_lse_head"}  # (rows, heads, d): d | strides
     compiled = compile_forward_kernel(varlen_fwd_gluon_ws_kernel, dtype_name, d, cfg.block_m, cfg.block_n,
                                       constexprs, options, POINTERS, aligned, blocks)

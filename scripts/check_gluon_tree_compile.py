@@ -20,6 +20,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS  # noqa: E402
 from packattn.ops.tree.configs import GLUON_HEAD_DIMS, TREE_FWD_CONFIGS  # noqa: E402
 from packattn.ops.tree.fwd_sm90 import tree_fwd_gluon_kernel  # noqa: E402
 from packattn.ops.tree.launch_sm90 import tree_fwd_resources, tree_fwd_shared_bytes  # noqa: E402
@@ -41,7 +42,8 @@ def compile_tree(dtype_name: str, head_dim: int, cfg):
                       CONSUMER_REGS=res["consumer_regs"],
                       PRODUCER_REGS=res["producer_regs"], num_warps=4)
     return compile_forward_kernel(fn, dtype_name, head_dim, cfg.block_m, cfg.block_n, constexprs,
-                                  {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"]}, INT_POINTERS, ALIGNED)
+                                  {"num_stages": 1, "num_warps": 4, "maxnreg": res["maxnreg"], **COMPILE_OPTIONS},
+                                  INT_POINTERS, ALIGNED)
 
 
 def check_tree(dtype_name: str, head_dim: int, config_text: str | None, dump: str | None) -> tuple[bool, str]:

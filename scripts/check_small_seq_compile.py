@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_triton_compile import ptxas_report
 from nvidia_tools import cuobjdump_sass
 
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS
 from packattn.ops.small_seq import configs, kernels_mma, kernels_stack
 
 SHARED_PER_SM = 233472  # sm_90: 228 KiB per SM, 227 KiB per block (1 KiB reserved per block)
@@ -63,7 +64,7 @@ def compile_pass(kind: str, head_dim: int, group: int, heads_kv: int, config: co
             if name.startswith("stride_") and "lse" not in name:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": 1})
+                              options={"num_warps": warps, "num_stages": 1, **COMPILE_OPTIONS})
     return compiled, warps
 
 

@@ -20,6 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS  # noqa: E402
 from packattn.ops.varlen import configs as tv  # noqa: E402
 from packattn.ops.varlen.bwd_triton import bwd_dkdv_kernel, bwd_dq_kernel  # noqa: E402
 from packattn.ops.tree.kernels_triton import tree_dq_kernel, tree_fwd_kernel  # noqa: E402
@@ -61,7 +62,8 @@ def compile_kernel(kernel: str, dtype_name: str, head_dim: int, arch: int, mask:
     signature = {name: "constexpr" if name in constexprs else pointers.get(name) or
                  ("fp32" if name in ("qk_scale_log2", "scale") else "i32") for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                       **COMPILE_OPTIONS})
     return config, compiled
 
 

@@ -16,6 +16,7 @@ from sm90_compile import compile_check
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS
 from packattn.ops.varlen import configs, launch_sm90, launch_sm90_bwd_parts, launch_sm90_ksplit, op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +123,8 @@ def test_dkdv_launch_passes_the_parts(dims, tree, monkeypatch):
     assert args[10] is dk and args[11] is dv and (args[17] is key_end if tree else True)
     assert kwargs["HEAD_DIM"] == dims[0] and kwargs["HEAD_DIM_V"] == dims[1] and kwargs["TREE"] == tree
     # every argument and constexpr is one the kernel takes, each once
-    assert len(args) + len(kwargs) - 1 == len(arg_names) and set(kwargs) - {"maxnreg"} <= set(arg_names)
+    constexprs = set(kwargs) - {"maxnreg", *COMPILE_OPTIONS}  # (launch options)
+    assert len(args) + len(constexprs) == len(arg_names) and constexprs <= set(arg_names)
 
 
 @pytest.mark.parametrize("dims", DIMS)

@@ -14,6 +14,7 @@ from sm90_compile import compile_check
 
 from packattn.mask import Mask
 from packattn.ops.runtime import sm90, support
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS
 from packattn.ops.varlen import launch_sm90
 from packattn.ops.varlen.configs import CONFIGS, GluonConfig
 
@@ -71,7 +72,8 @@ def test_forward_launch_passes_the_variant_constexprs(cfg, want, split, monkeypa
                           cfg)
     ((_grid, _args, kwargs),) = kernel.launches
     assert kwargs["RESCALE_THRESHOLD"] == want and kwargs["SPLIT_KV"] is split and kwargs["Q_REGS"] is cfg.q_in_regs
-    assert set(kwargs) - {"maxnreg"} <= params  # every constexpr the launcher passes is one the kernel takes
+    # every constexpr the launcher passes is one the kernel takes (the rest are launch options)
+    assert set(kwargs) - {"maxnreg", *COMPILE_OPTIONS} <= params
     assert want is None or isinstance(kwargs["RESCALE_THRESHOLD"], float)
 
 

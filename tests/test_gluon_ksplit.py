@@ -16,6 +16,7 @@ from test_gluon_bwd_parts import (  # one launch stub and input maker for both
 
 from packattn.mask import Mask
 from packattn.ops.runtime import support
+from packattn.ops.runtime.fast_launch import COMPILE_OPTIONS
 from packattn.ops.varlen import (
     configs,
     launch_sm90,
@@ -181,9 +182,10 @@ def test_launch_passes_the_parts_and_constexprs(d, tree, monkeypatch):
     assert kwargs == {"HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "HAS_LEFT": False,
                       "HAS_RIGHT": not tree, "HAS_CHUNK": False, "TOP_LEFT": False, "TREE": tree,
                       "CONSUMER_REGS": res["consumer_regs"], "PRODUCER_REGS": res["producer_regs"], "num_warps": 4,
-                      "maxnreg": res["maxnreg"]}
+                      "maxnreg": res["maxnreg"], **COMPILE_OPTIONS}
     # every argument and constexpr is one the kernel takes, each once
-    assert len(args) + len(kwargs) - 1 == len(kernel.arg_names) and set(kwargs) - {"maxnreg"} <= set(kernel.arg_names)
+    constexprs = set(kwargs) - {"maxnreg", *COMPILE_OPTIONS}  # (launch options)
+    assert len(args) + len(constexprs) == len(kernel.arg_names) and constexprs <= set(kernel.arg_names)
 
 
 def test_launch_passes_the_window_and_chunk(monkeypatch):

@@ -29,6 +29,10 @@ import torch
 
 from packattn.ops.runtime import support
 
+# Compile options of every kernel of ours, passed explicitly: FP fusion on (``a * b + c`` as one FMA, e.g. the
+# softmax's scale-and-subtract), what Triton 3.6 - 3.9 default to; Triton 3.9 warns once a process about a
+# compile that leaves it to the default, which its next release turns off. The compile-check scripts use them too.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 _INT32 = (-(2**31), 2**31 - 1)
 _MISSING = object()
 _caches: dict = {}  # kernel -> {key: (launcher, function, packed_metadata, tail)}
@@ -81,13 +85,13 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     ``kwargs``: its remaining parameters (constexprs) by name and Triton's launch options
     (``num_warps``, ``num_stages``, ``maxnreg``, ...)."""
     if not enabled():
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         return
     device = torch.cuda.current_device()
     try:
         key = (device, tuple(kwargs.items()), *map(arg_key, args))
     except _Unkeyable:
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         return
     _launch_cached(kernel, grid, args, kwargs, device, key)
 
@@ -98,7 +102,7 @@ def launch_keyed(kernel, grid: tuple, args: tuple, kwargs: dict, key) -> None:
     alignment of its tensors). Contract: equal ``key`` (hashable) means equal ``kwargs`` and equal `arg_key`
     of every argument. Shares `launch`'s cache (its keys hold the keyword arguments where this one's hold "keyed")."""
     if not enabled():
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         return
     device = torch.cuda.current_device()
     _launch_cached(kernel, grid, args, kwargs, device, (device, "keyed", key))
@@ -110,7 +114,7 @@ def _launch_cached(kernel, grid: tuple, args: tuple, kwargs: dict, device: int, 
         cache = _caches[kernel] = {}
     entry = cache.get(key)
     if entry is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         if hasattr(compiled, "result"):  # (asynchronous compilation)
             compiled = compiled.result()
         if compiled is None:  # nothing launched (a stand-in kernel of the host-cost probes)
