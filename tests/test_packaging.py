@@ -93,6 +93,9 @@ def test_release_configs_replace_table_entries_on_their_release_only():
     else:
         assert configs.config_for(192) != configs.RELEASE_FWD_CONFIGS["3.9"]["CONFIGS"][192]
     assert support.triton_release("3.9.1+git0123") == "3.9" and support.triton_release(None) is None
+    with pytest.raises(ValueError, match="applied at import"):
+        with configs.override(RELEASE_FWD_CONFIGS={}):
+            pass
     for other in configs.RELEASE_FWD_CONFIGS.values():  # `override` runs the tables' checks on entry
         tables = configs.fwd_tables()
         with configs.override(**{name: {**tables[name], **changes} for name, changes in other.items()}):

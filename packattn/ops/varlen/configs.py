@@ -424,5 +424,7 @@ def override(**values):
     must run under the same overrides as its forward (the forward builds its tile tables). Costs nothing on
     the hot path: the functions read this module's names when called."""
     names = {_SHORTCUTS.get(name, name): value for name, value in values.items()}
+    if "RELEASE_FWD_CONFIGS" in names:
+        raise ValueError("RELEASE_FWD_CONFIGS is applied at import: override the tables it changes instead")
     with overriding(sys.modules[__name__], names, _check_tables):
         yield
