@@ -256,9 +256,10 @@ def test_one_consumer_dq_shared_memory_and_resources():
     # d = 128: Q + dO of 64 rows 32 KB, each (K, V) slot of 64 keys 32 KB, one q_bar (no zero_bar), 2 x stages ring
     cfg = _cfg("64,64,2,4")
     assert launch_sm90.dq_shared_bytes(cfg, 128) == 96 * 1024 + 8 * (1 + 2 * 2)
-    # 3 stages (128 KB) do not fit two CTAs: one CTA per SM, ws_split gives the consumer the whole 256
+    # 3 stages (128 KB) do not fit two CTAs: one CTA per SM, ws_split gives the consumer the whole 256 through
+    # setmaxnreg, and the launch bound stays within what ptxas honours (255, rounded down to 248)
     res = launch_sm90.dq_resources(_cfg("64,64,3,4"), 128)
-    assert res["ctas_per_sm"] == 1 and res["maxnreg"] == 256 and res["consumer_regs"] == 256, res
+    assert res["ctas_per_sm"] == 1 and res["maxnreg"] == 248 and res["consumer_regs"] == 256, res
     # the two-consumer numbers (also the tree dQ's base): q_bar + zero_bar + 2 x stages ring
     assert launch_sm90.dq_shared_bytes(_cfg("128,64,4,8"), 128) == 192 * 1024 + 8 * (2 + 2 * 4)
     res = launch_sm90.dq_resources(_cfg("128,64,4,8"), 128)

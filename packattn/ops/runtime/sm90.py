@@ -17,6 +17,9 @@ SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (each CTA also take
 CTA_SHARED = SM_SHARED - 1024  # the most one CTA may use
 SM_REGISTERS = 65536
 PRODUCER_REGS = 24  # the TMA warp only holds scalars (24 is the least setmaxnreg allows)
+# ptxas takes a launch bound of at most 255 registers a thread (it ignores a larger one, with a warning); the
+# bound is a multiple of 8 (the allocation unit). setmaxnreg itself goes up to 256.
+PTXAS_MAX_REGS = 248
 MIN_CONSUMER_REGS = 200  # a consumer warp group needs ~160 (BLOCK_N 64) to ~230 (BLOCK_N 128) registers
 
 _GLUON_OFF = support.installed_gluon_unsupported()  # (the installed Triton cannot build the kernels: why)
@@ -154,7 +157,7 @@ def ws_split(consumer_warps: int, cta_shared_bytes: int) -> dict:
     consumers = consumer_warps // 4
     best = None
     for ctas in range(1, max(1, SM_SHARED // (cta_shared_bytes + 1024)) + 1):
-        maxnreg = min(256, SM_REGISTERS // (ctas * warps * 32)) // 8 * 8
+        maxnreg = min(PTXAS_MAX_REGS, SM_REGISTERS // (ctas * warps * 32) // 8 * 8)
         idle = warps // 4 - consumers  # warp groups other than the consumers (the producer's)
         consumer_regs = min(256, (maxnreg * warps - PRODUCER_REGS * 4 * idle) // (4 * consumers)) // 8 * 8
         if best is None or consumer_regs >= MIN_CONSUMER_REGS:
