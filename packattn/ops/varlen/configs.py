@@ -176,10 +176,11 @@ class GluonConfig:
 # (v34; Triton 3.6's ptxas, see `RELEASE_FWD_CONFIGS` for 3.9); at 192 and MLA with Q in registers: their 64-key S
 # products would read Q from shared memory as often as K (at 96 / 128 it is slower, v37). The output leaves in
 # `vec_store`'s 16-byte pieces at 64, 96, 256 and MLA (v39, v40; at 192 no gain, v39, but in short batches it is
-# on; no room at d = 128 with 3 stages; 128 / 64 untried).
+# on; no room at d = 128 with 3 stages; 128 / 64 untried). 192 is trimmed: with 64-key blocks the causal diagonal's
+# second block holds no key the tile's first 64 rows see (-1.4% on W1 lengths, v43; at 256 and MLA no gain).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
-           192: GluonConfig(128, 64, 3, 8, q_in_regs=True),
+           192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True),
            256: GluonConfig(128, 64, 2, 8, rescale_threshold=8.0, split_kv=True, vec_store=True),
            (192, 128): GluonConfig(128, 64, 4, 8, q_in_regs=True, vec_store=True),
            (128, 64): GluonConfig(128, 128, 4, 8)}
