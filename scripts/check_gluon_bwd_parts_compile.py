@@ -129,8 +129,6 @@ def check(kernel, dtype_name, dims, mask_name, cfg, tree, delta_from_o) -> tuple
         return False, f"{label}: FAILED {type(e).__name__}: {str(e)[-600:]}\n    cause: {_root_cause(e)}"
     shared = compiled.metadata.shared
     usage, warnings = ptxas_report(compiled.asm["ptx"])
-    # maxnreg 256 at one 8-warp CTA per SM: ptxas caps the launch bound at 255 (as for the d = 256 dQ on main)
-    warnings = [w for w in warnings if "Too many maxnreg" not in w]
     ok, detail = overlap(compiled)
     spills = re.search(r"(\d+) bytes spill stores", usage)
     regions = sass_register_regions(compiled.asm["cubin"])
