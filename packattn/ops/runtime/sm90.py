@@ -151,8 +151,8 @@ def ws_split(consumer_warps: int, cta_shared_bytes: int) -> dict:
     (warp groups of 4) and one producer warp: ``ctas_per_sm`` (as many CTAs as shared memory allows
     while each consumer warp group keeps >= `MIN_CONSUMER_REGS`), ``warps`` (the producer padded to a
     warp group), ``maxnreg`` (the launch bound: the SM's registers over all warps of the resident
-    CTAs, at most `PTXAS_MAX_REGS`), ``consumer_regs`` (what setmaxnreg gives each consumer warp group: the rest after the
-    producer's) and ``producer_regs``."""
+    CTAs, at most `PTXAS_MAX_REGS`), ``consumer_regs`` (what setmaxnreg gives each consumer warp group:
+    the rest after the producer's) and ``producer_regs``."""
     warps = 4 * ((consumer_warps + 1 + 3) // 4)
     consumers = consumer_warps // 4
     best = None

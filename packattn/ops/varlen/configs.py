@@ -177,8 +177,8 @@ class GluonConfig:
 # products would read Q from shared memory as often as K (at 96 / 128 it is slower, v37). The output leaves in
 # `vec_store`'s 16-byte pieces at 64, 96, 256 and MLA (v39, v40; at 192 no gain, v39, but in short batches it is
 # on; no room at d = 128 with 3 stages; 128 / 64 untried). 192 is trimmed: with 64-key blocks the causal diagonal's
-# second block holds no key the tile's first 64 rows see (-1.4% on W1 lengths, v43; at 256 and MLA no gain; 3.6:
-# Triton 3.9's release entry below keeps its untrimmed config).
+# second block holds no key the tile's first 64 rows see (-1.4% on W1 lengths with Triton 3.6, v43; at 256 and MLA
+# no gain; Triton 3.9's release entry below keeps its untrimmed config).
 CONFIGS = {64: GluonConfig(128, 128, 4, 8, vec_store=True), 96: GluonConfig(128, 128, 3, 8, vec_store=True),
            128: GluonConfig(128, 128, 3, 8),
            192: GluonConfig(128, 64, 3, 8, trim=True, q_in_regs=True),
